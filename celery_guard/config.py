@@ -1,0 +1,133 @@
+"""Configuration: the ``guard_*`` keys of a Celery config, validated once, in one place.
+
+Precedence, written down once: a per-call value (message header) beats a per-task option, which
+beats the app-wide ``guard_*`` key, which beats the default documented here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+from celery_guard.errors import ConfigurationError
+
+CONFIG_PREFIX = "guard_"
+
+#: The embedded default store: a SQLite file in the worker's working directory.
+DEFAULT_STORE_URL = "sqlite:///celery_guard.sqlite3"
+
+SUPPORTED_SCHEMES = ("sqlite", "postgresql")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """App-wide settings, built from the Celery config by :meth:`from_celery_conf`.
+
+    Each field is read from the Celery key ``guard_<field>``.
+    """
+
+    #: SQLAlchemy URL of the store (the idempotency table lives in this database, and so must the
+    #: tables a task writes through ``self.guard.transaction()``). ``postgresql://`` URLs use
+    #: psycopg 3.
+    store_url: str = DEFAULT_STORE_URL
+    #: Seconds any single store call may take (connect, lock wait, statement) before the delivery
+    #: is treated as a coordination failure and tried again later.
+    store_timeout: float = 5.0
+    #: Seconds a claim's lease lasts; a RUNNING key whose lease expired may be taken over.
+    lease_ttl: float = 10.0
+    #: Seconds a COMPLETED key keeps deduplicating (per task: ``idempotency_ttl``). ``None`` keeps
+    #: it until pruned by hand; ``0`` dedups only while in flight.
+    result_ttl: float | None = 7 * 24 * 3600.0
+    #: Create the store's tables when a process first uses the store (``CREATE ... IF NOT
+    #: EXISTS``). Turn off when the schema is managed by your own Alembic migrations.
+    create_tables: bool = True
+
+    def __post_init__(self) -> None:
+        _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
+        _check_number("guard_lease_ttl", self.lease_ttl, minimum=0.1)
+        if self.result_ttl is not None:
+            _check_number("guard_result_ttl", self.result_ttl, minimum=0.0)
+        if not isinstance(self.create_tables, bool):
+            raise ConfigurationError(
+                f"guard_create_tables must be True or False, got {self.create_tables!r}"
+            )
+        # Normalises and checks the URL; the result is stored back on the frozen instance.
+        object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
+
+    @classmethod
+    def from_celery_conf(cls, conf: Mapping[str, Any]) -> GuardConfig:
+        """Build from a Celery config; unknown ``guard_*`` keys are refused with a suggestion."""
+        known = {CONFIG_PREFIX + f.name: f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for raw_key in list(conf.keys()):
+            key = str(raw_key).lower()
+            if not key.startswith(CONFIG_PREFIX):
+                continue
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+                raise ConfigurationError(f"unknown celery_guard setting {raw_key!r}{suggestion}")
+            values[known[key]] = conf[raw_key]
+        return cls(**values)
+
+    def safe_store_url(self) -> str:
+        """The store URL with its password hidden, for logs and error messages."""
+        return make_url(self.store_url).render_as_string(hide_password=True)
+
+
+def normalize_store_url(url: object) -> str:
+    """Check a store URL and pin PostgreSQL to the psycopg 3 driver."""
+    if isinstance(url, URL):
+        parsed = url
+    elif isinstance(url, str) and url:
+        try:
+            parsed = make_url(url)
+        except ArgumentError as exc:
+            raise ConfigurationError(f"guard_store_url is not a database URL: {exc}") from None
+    else:
+        raise ConfigurationError(f"guard_store_url must be a URL string, got {url!r}")
+    if parsed.drivername == "postgres":  # the spelling Heroku-style URLs use
+        parsed = parsed.set(drivername="postgresql")
+    backend = parsed.get_backend_name()
+    if backend not in SUPPORTED_SCHEMES:
+        raise ConfigurationError(
+            f"guard_store_url scheme {parsed.drivername!r} is not supported; use one of "
+            f"{', '.join(s + '://' for s in SUPPORTED_SCHEMES)}"
+        )
+    driver = parsed.get_driver_name()
+    if backend == "postgresql":
+        if parsed.drivername not in ("postgresql", "postgresql+psycopg"):
+            raise ConfigurationError(
+                f"guard_store_url driver {parsed.drivername!r} is not supported; celery_guard "
+                "talks to PostgreSQL through psycopg 3 (postgresql+psycopg://)"
+            )
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif driver not in ("pysqlite", ""):
+        raise ConfigurationError(
+            f"guard_store_url driver {parsed.drivername!r} is not supported; use sqlite:///PATH"
+        )
+    return parsed.render_as_string(hide_password=False)
+
+
+def _check_number(name: str, value: object, *, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigurationError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+
+
+def check_ttl_option(name: str, value: object) -> float | None:
+    """Validate a retention in seconds (``None`` = forever) given as a task option."""
+    if value is None:
+        return None
+    _check_number(name, value, minimum=0.0)
+    return float(value)  # type: ignore[arg-type]
+
+
+OptionChecker = Callable[[str, object], object]

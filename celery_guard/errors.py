@@ -1,0 +1,92 @@
+"""The one error tree of celery_guard.
+
+Everything celery_guard raises on purpose derives from :class:`GuardError`, so callers can catch
+the whole family; store failures keep their driver exception as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class GuardError(Exception):
+    """Root of every error celery_guard raises on purpose."""
+
+
+class ConfigurationError(GuardError, ValueError):
+    """A ``guard_*`` setting or a per-task guard option has a wrong value; the message names it."""
+
+
+class InvalidIdempotencyKey(GuardError, ValueError):
+    """An idempotency key is not a non-empty string, or is longer than the store's column."""
+
+
+class UnserializableArguments(GuardError, TypeError):
+    """Task arguments cannot be fingerprinted (they are not JSON-serializable)."""
+
+
+class ResultNotSerializable(GuardError, TypeError):
+    """A guarded task returned a value that cannot be stored as JSON; nothing was committed."""
+
+
+class IdempotencyConflict(GuardError):
+    """The same idempotency key arrived with a different payload (task or arguments).
+
+    This is never a silent skip: two different calls sharing one business key is a bug in the
+    caller's key, and running either one would be wrong.
+    """
+
+    def __init__(self, key: str, stored_task: str, task: str) -> None:
+        self.key = key
+        self.stored_task = stored_task
+        self.task = task
+        super().__init__(
+            f"idempotency key {key!r} is already used by a call of {stored_task} with a different "
+            f"payload; this call of {task} was not run"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Celery pickles/serializes exceptions into the result backend; keep the arguments.
+        return (type(self), (self.key, self.stored_task, self.task))
+
+
+class StoreError(GuardError):
+    """The store could not be used."""
+
+
+class StoreUnavailable(StoreError):
+    """The store did not answer within ``guard_store_timeout`` (or refused the connection).
+
+    A coordination failure: the delivery is not acknowledged as done and is tried again later.
+    """
+
+
+class Fenced(GuardError):
+    """This execution no longer owns its idempotency key: its fencing token was superseded.
+
+    Its completion commit is refused and its own writes in ``self.guard.transaction()`` roll back.
+    """
+
+    def __init__(self, key: str, token: int) -> None:
+        self.key = key
+        self.token = token
+        super().__init__(
+            f"execution of key {key!r} with fencing token {token} was fenced: another owner took "
+            "the key over, nothing of this execution was committed"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.key, self.token))
+
+
+class InFlightElsewhere(GuardError):
+    """Another execution holds the key's live lease.
+
+    A worker re-publishes such a delivery for later; only an eager call (``task.apply()``), which
+    has no broker to come back through, sees this error.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"idempotency key {key!r} is being run by another execution right now")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.key,))

@@ -1,0 +1,188 @@
+"""The claim → run → complete state machine of one delivery, free of Celery.
+
+:class:`GuardedTask` turns a message into a :class:`Delivery` and acts on what this module
+answers; the store does the SQL. Nothing here knows about brokers, so it is tested directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery_guard import serialization, signals
+from celery_guard.errors import (
+    Fenced,
+    GuardError,
+    IdempotencyConflict,
+    ResultNotSerializable,
+    StoreError,
+)
+from celery_guard.execution import Execution
+from celery_guard.keys import KeySource
+from celery_guard.store.base import ClaimOutcome, ClaimRequest
+from celery_guard.store.sql import SqlStore
+
+logger = logging.getLogger("celery_guard")
+
+#: Longest error text kept on a released key.
+MAX_ERROR_TEXT = 2000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Delivery:
+    """One delivery of a task message, as the handler needs it."""
+
+    task_name: str
+    key: str
+    key_source: KeySource
+    fingerprint: str | None
+    #: JSON text of what re-publishing the task needs, or ``None``.
+    message: str | None
+    #: Seconds a COMPLETED key keeps deduplicating (``None``: until pruned).
+    retention: float | None
+    owner: str
+    #: How many times this message was already deferred (drives the deferral backoff).
+    deferrals: int = 0
+
+
+class DeliveryDeferred(GuardError):
+    """No body ran; the delivery must be re-published to be tried again in ``countdown`` seconds.
+
+    Raised for a key in flight elsewhere and for a store that did not answer: neither may lose
+    the message nor acknowledge it as done.
+    """
+
+    def __init__(self, reason: str, countdown: float) -> None:
+        self.reason = reason
+        self.countdown = countdown
+        super().__init__(f"delivery deferred by {countdown:.2f}s: {reason}")
+
+
+Body = Callable[[Execution], Any]
+
+
+class GuardHandler:
+    """Runs one delivery against the store: claim, run the body, complete or release."""
+
+    def __init__(
+        self,
+        store: SqlStore,
+        *,
+        lease_ttl: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.lease_ttl = lease_ttl
+        self._random = rng or random.Random()
+
+    def execute(self, task: Any, delivery: Delivery, body: Body) -> Any:
+        """Run ``body`` at most once per key and return its result (or the stored one)."""
+        try:
+            claim = self.store.claim(
+                ClaimRequest(
+                    key=delivery.key,
+                    task_name=delivery.task_name,
+                    fingerprint=delivery.fingerprint,
+                    check_fingerprint=delivery.key_source is not KeySource.TASK_ID,
+                    owner=delivery.owner,
+                    message=delivery.message,
+                    lease_ttl=self.lease_ttl,
+                )
+            )
+        except StoreError as exc:
+            self._emit(task, delivery.key, signals.STORE_UNAVAILABLE_DEFERRED)
+            raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
+
+        record = claim.record
+        if claim.outcome is ClaimOutcome.CONFLICT:
+            self._emit(task, delivery.key, signals.PAYLOAD_CONFLICT)
+            raise IdempotencyConflict(delivery.key, record.task_name, delivery.task_name)
+        if claim.outcome is ClaimOutcome.DUPLICATE:
+            self._emit(task, delivery.key, signals.DUPLICATE_PREVENTED, record.fencing_token)
+            return serialization.loads(record.result) if record.result is not None else None
+        if claim.outcome is ClaimOutcome.IN_FLIGHT:
+            self._emit(task, delivery.key, signals.IN_FLIGHT_DEFERRED, record.fencing_token)
+            countdown = self._in_flight_backoff(claim.lease_remaining, delivery.deferrals)
+            raise DeliveryDeferred(
+                f"key {delivery.key!r} is in flight on {record.owner}", countdown
+            )
+
+        execution = Execution(
+            self.store,
+            key=delivery.key,
+            fencing_token=record.fencing_token,
+            attempts=record.attempts,
+            claim_reason=record.claim_reason,
+        )
+        logger.debug(
+            "celery_guard claimed key=%s token=%s attempts=%s reason=%s",
+            delivery.key,
+            record.fencing_token,
+            record.attempts,
+            record.claim_reason,
+        )
+        try:
+            value = body(execution)
+        except BaseException as exc:
+            execution.abort()
+            self._release(task, execution, exc)
+            raise
+        try:
+            result = serialization.dumps(value)
+        except (TypeError, ValueError) as exc:
+            execution.abort()
+            error = ResultNotSerializable(
+                f"{delivery.task_name} returned {type(value).__name__}, which cannot be stored "
+                f"as JSON; nothing was committed ({exc})"
+            )
+            self._release(task, execution, error)
+            raise error from exc
+        try:
+            execution.finish(result, delivery.retention)
+        except Fenced:
+            self._emit(task, delivery.key, signals.FENCED, execution.fencing_token)
+            raise
+        except StoreError as exc:
+            # The commit may or may not have landed; either way the next delivery finds out from
+            # the store (COMPLETED, or our lease expiring), so deferring loses nothing.
+            raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
+        self._emit(task, delivery.key, signals.COMPLETED, execution.fencing_token, record.attempts)
+        return value
+
+    def _release(self, task: Any, execution: Execution, exc: BaseException) -> None:
+        assert execution.key is not None and execution.fencing_token is not None
+        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
+        try:
+            self.store.release(execution.key, execution.fencing_token, error)
+        except StoreError as store_exc:
+            # The lease expires on its own; the next delivery takes the key over then.
+            logger.warning(
+                "celery_guard could not release key=%s token=%s: %s",
+                execution.key,
+                execution.fencing_token,
+                store_exc,
+            )
+        self._emit(task, execution.key, signals.RELEASED, execution.fencing_token)
+
+    def _in_flight_backoff(self, lease_remaining: float, deferrals: int) -> float:
+        # Check back soon for short tasks, never later than the holder's lease can last.
+        ceiling = min(max(lease_remaining, 0.05), 0.25 * 2 ** min(deferrals, 16), self.lease_ttl)
+        return float(ceiling * self._random.uniform(0.5, 1.0))
+
+    def _store_backoff(self, deferrals: int) -> float:
+        return float(min(30.0, 0.5 * 2 ** min(deferrals, 16)) * self._random.uniform(0.5, 1.0))
+
+    @staticmethod
+    def _emit(
+        task: Any,
+        key: str,
+        outcome: str,
+        fencing_token: int | None = None,
+        attempts: int | None = None,
+    ) -> None:
+        signals.outcome.send(
+            sender=task, key=key, outcome=outcome, fencing_token=fencing_token, attempts=attempts
+        )

@@ -1,0 +1,85 @@
+"""``celery_guard.install(app)``: validate the ``guard_*`` config and wire the per-process hooks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, signals
+
+from celery_guard.config import GuardConfig
+from celery_guard.errors import ConfigurationError, StoreError
+from celery_guard.handler import GuardHandler
+from celery_guard.store.sql import SqlStore
+
+logger = logging.getLogger("celery_guard")
+
+_RUNTIME_ATTRIBUTE = "_celery_guard_runtime"
+
+
+class GuardRuntime:
+    """What celery_guard holds per app: its config, its store and the delivery handler."""
+
+    def __init__(self, app: Celery, config: GuardConfig) -> None:
+        self.app = app
+        self.config = config
+        self.store = SqlStore(config)
+        self.handler = GuardHandler(self.store, lease_ttl=config.lease_ttl)
+
+    def migrate(self) -> None:
+        """Create the store's tables when missing."""
+        self.store.ensure_schema()
+
+
+def install(app: Celery) -> GuardRuntime:
+    """Validate the app's ``guard_*`` settings and connect celery_guard to its worker lifecycle.
+
+    Call it once, after the app is configured and before a worker starts. It does not touch the
+    network: the store is first reached from each worker process after fork. Calling it again
+    returns the runtime already installed.
+    """
+    existing = getattr(app, _RUNTIME_ATTRIBUTE, None)
+    if isinstance(existing, GuardRuntime):
+        return existing
+    runtime = GuardRuntime(app, GuardConfig.from_celery_conf(app.conf))
+    setattr(app, _RUNTIME_ATTRIBUTE, runtime)
+    _connect_worker_signals(app, runtime)
+    return runtime
+
+
+def get_runtime(app: Celery) -> GuardRuntime:
+    """The runtime :func:`install` attached to ``app``; a clear error when it was not called."""
+    runtime = getattr(app, _RUNTIME_ATTRIBUTE, None)
+    if not isinstance(runtime, GuardRuntime):
+        raise ConfigurationError(
+            f"celery_guard.install(app) was not called for the Celery app {app.main!r}; "
+            "guarded tasks need it"
+        )
+    return runtime
+
+
+def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
+    def on_worker_init(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", app) is not app:
+            return
+        if runtime.config.create_tables:
+            # Once in the main process, before the pool forks, so children do not race to
+            # create the same tables; then drop the connection so no child inherits it.
+            try:
+                runtime.store.ensure_schema()
+            except StoreError as exc:
+                # Not fatal: each process tries again on first use, and until the store
+                # answers, deliveries are deferred rather than lost.
+                logger.error("celery_guard could not prepare the store at worker start: %s", exc)
+        runtime.store.dispose()
+
+    def on_worker_process_init(**_: Any) -> None:
+        runtime.store.reset_after_fork()
+
+    def on_worker_process_shutdown(**_: Any) -> None:
+        runtime.store.dispose()
+
+    # weak=False: these closures are only referenced by the signal.
+    signals.worker_init.connect(on_worker_init, weak=False)
+    signals.worker_process_init.connect(on_worker_process_init, weak=False)
+    signals.worker_process_shutdown.connect(on_worker_process_shutdown, weak=False)

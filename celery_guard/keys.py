@@ -1,0 +1,144 @@
+"""Idempotency keys and payload fingerprints.
+
+Where a key comes from, in order: a per-call key (``apply_async(..., idempotency_key=...)``, carried
+in a message header); the task option ``idempotency_key`` (a format string over the bound
+arguments, a callable, or :data:`BY_ARGUMENTS`); else the Celery task id, which is always safe:
+redeliveries, retries and re-publishes share it, while calls a user repeats on purpose do not.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import inspect
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+from celery_guard import serialization
+from celery_guard.errors import ConfigurationError, InvalidIdempotencyKey, UnserializableArguments
+
+#: Longest key the store's column holds.
+MAX_KEY_LENGTH: Final = 255
+
+
+class _ByArguments:
+    """Marker: derive the key from the task name and its canonical arguments."""
+
+    _instance: _ByArguments | None = None
+
+    def __new__(cls) -> _ByArguments:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "celery_guard.BY_ARGUMENTS"
+
+    def __reduce__(self) -> str:
+        return "BY_ARGUMENTS"
+
+
+#: Task option value: the key is a fingerprint of the task name plus its canonical arguments.
+BY_ARGUMENTS: Final = _ByArguments()
+
+KeyOption = str | Callable[..., Any] | _ByArguments | None
+
+
+class KeySource(str, enum.Enum):
+    """Where an execution's key came from; decides whether a payload change is a conflict."""
+
+    CALL = "call"
+    OPTION = "option"
+    TASK_ID = "task_id"
+
+
+def check_key_option(task_name: str, option: object) -> None:
+    """Refuse a malformed ``idempotency_key`` task option when the task is defined."""
+    if option is None or option is BY_ARGUMENTS or callable(option):
+        return
+    if not isinstance(option, str) or not option:
+        raise ConfigurationError(
+            f"task {task_name}: idempotency_key must be a format string, a callable or "
+            f"celery_guard.BY_ARGUMENTS, got {option!r}"
+        )
+    try:
+        list(string.Formatter().parse(option))
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"task {task_name}: idempotency_key {option!r} is not a valid format string: {exc}"
+        ) from None
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it fits the store, else raise :class:`InvalidIdempotencyKey`."""
+    if not isinstance(key, str):
+        raise InvalidIdempotencyKey(
+            f"idempotency key must be a string, got {type(key).__name__}: {key!r}"
+        )
+    if not key:
+        raise InvalidIdempotencyKey("idempotency key must not be empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidIdempotencyKey(
+            f"idempotency key is {len(key)} characters long; the store holds at most "
+            f"{MAX_KEY_LENGTH} (key starts {key[:40]!r})"
+        )
+    return key
+
+
+def bind_arguments(
+    fun: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Arguments by parameter name, defaults applied, so positional and keyword calls agree."""
+    try:
+        bound = inspect.signature(fun).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        # Arguments that do not fit the signature fail in the body anyway; fingerprint them as sent.
+        return {"args": list(args), "kwargs": dict(kwargs)}
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def canonical_json(value: Any) -> str:
+    """Stable JSON text (sorted keys, no spaces) through kombu's encoder (dates, UUIDs, ...)."""
+    return serialization.dumps(value, canonical=True)
+
+
+def payload_fingerprint(task_name: str, arguments: Mapping[str, Any]) -> str:
+    """SHA-256 over the task name and its canonical arguments."""
+    try:
+        text = canonical_json({"task": task_name, "arguments": arguments})
+    except (TypeError, ValueError) as exc:
+        raise UnserializableArguments(
+            f"arguments of {task_name} cannot be fingerprinted, they must be JSON-serializable: "
+            f"{exc}"
+        ) from exc
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def key_from_option(
+    option: KeyOption,
+    *,
+    task_name: str,
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> str | None:
+    """The key a task option yields for these arguments, or ``None`` when there is no option."""
+    if option is None:
+        return None
+    if option is BY_ARGUMENTS:
+        return f"{task_name}:{payload_fingerprint(task_name, bind_arguments(fun, args, kwargs))}"
+    if isinstance(option, str):
+        arguments = bind_arguments(fun, args, kwargs)
+        try:
+            key = option.format(*args, **arguments)
+        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise InvalidIdempotencyKey(
+                f"task {task_name}: idempotency_key {option!r} cannot be formatted from the "
+                f"arguments {sorted(arguments)}: {exc!r}"
+            ) from None
+        return validate_key(key)
+    if callable(option):
+        return validate_key(option(*args, **kwargs))
+    raise ConfigurationError(f"task {task_name}: unsupported idempotency_key {option!r}")

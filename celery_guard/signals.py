@@ -1,0 +1,39 @@
+"""Signals celery_guard sends, for metrics and logs to subscribe to (Celery's own dispatcher).
+
+``outcome`` is sent once per guarded delivery with ``sender`` = the task, and keyword arguments
+``key`` (str), ``outcome`` (one of :data:`OUTCOMES`), ``fencing_token`` (int or None) and
+``attempts`` (int or None).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from celery.utils.dispatch import Signal
+
+#: The delivery's body ran and its COMPLETED marker committed.
+COMPLETED: Final = "completed"
+#: The key was COMPLETED already: no body ran, the stored result was returned.
+DUPLICATE_PREVENTED: Final = "duplicate_prevented"
+#: Another execution held a live lease: no body ran, the delivery was re-published for later.
+IN_FLIGHT_DEFERRED: Final = "in_flight_deferred"
+#: The store could not be reached: no body ran, the delivery was re-published for later.
+STORE_UNAVAILABLE_DEFERRED: Final = "store_unavailable_deferred"
+#: Same key, different payload: refused with IdempotencyConflict.
+PAYLOAD_CONFLICT: Final = "payload_conflict"
+#: The body ran but its completion was refused: another owner holds a newer fencing token.
+FENCED: Final = "fenced"
+#: The body raised (an error, retry() or replace()); the key was released for the next delivery.
+RELEASED: Final = "released"
+
+OUTCOMES: Final = (
+    COMPLETED,
+    DUPLICATE_PREVENTED,
+    IN_FLIGHT_DEFERRED,
+    STORE_UNAVAILABLE_DEFERRED,
+    PAYLOAD_CONFLICT,
+    FENCED,
+    RELEASED,
+)
+
+outcome = Signal(name="celery_guard.outcome")

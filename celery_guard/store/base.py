@@ -1,0 +1,75 @@
+"""What the store hands back: plain frozen records, no SQLAlchemy rows escape the store module."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class ClaimOutcome(str, enum.Enum):
+    """The four answers a claim can get, as design.md's step 1 lists them."""
+
+    #: This execution owns the key now (a first run, a retry, or a takeover of an expired lease).
+    CLAIMED = "claimed"
+    #: The key is COMPLETED: do not run, answer with the stored result.
+    DUPLICATE = "duplicate"
+    #: Another execution holds a live lease: do not run, check again later.
+    IN_FLIGHT = "in_flight"
+    #: The key belongs to a different payload: refuse, never skip silently.
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimRequest:
+    """Everything one claim needs; built by the handler, executed by the store in one round trip."""
+
+    key: str
+    task_name: str
+    #: SHA-256 of the canonical payload, or ``None`` when the arguments are not JSON.
+    fingerprint: str | None
+    #: ``False`` for task-id keys: a replacement (``Task.replace``) legitimately reuses the id
+    #: with another payload.
+    check_fingerprint: bool
+    owner: str
+    #: JSON text of what re-publishing needs, or ``None``.
+    message: str | None
+    lease_ttl: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyRecord:
+    """One row of ``celery_guard_keys``; times are epoch seconds by the database's clock."""
+
+    key: str
+    task_name: str
+    state: str
+    attempts: int
+    fencing_token: int
+    lease_expires_at: float | None
+    owner: str | None
+    claim_id: str | None
+    claim_reason: str | None
+    fingerprint: str | None
+    message: str | None
+    result: str | None
+    last_error: str | None
+    duplicates: int
+    created_at: float
+    updated_at: float
+    completed_at: float | None
+    expires_at: float | None
+
+    @classmethod
+    def from_mapping(cls, row: Any) -> KeyRecord:
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimResult:
+    """A claim's answer: the outcome and the row as the claim left it."""
+
+    outcome: ClaimOutcome
+    record: KeyRecord
+    #: Seconds left on the current owner's lease (negative when it has expired).
+    lease_remaining: float

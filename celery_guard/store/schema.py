@@ -1,0 +1,105 @@
+"""The store's schema, as SQLAlchemy ``MetaData`` so it can live under a user's own Alembic.
+
+Times are seconds since the epoch *by the database's clock* (:class:`db_epoch_now`): every lease
+comparison is made by one clock, so workers whose clocks disagree still agree on who owns a key.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Double,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+from celery_guard.keys import MAX_KEY_LENGTH
+
+#: Add it to your Alembic ``target_metadata`` (a list of MetaData is accepted) to manage the
+#: celery_guard tables with your own migrations.
+metadata = MetaData()
+
+
+class KeyState(str, enum.Enum):
+    """States of an idempotency key. COMPLETED never goes back to RUNNING while retained."""
+
+    #: Claimed by an execution that holds the lease.
+    RUNNING = "RUNNING"
+    #: Finished; the stored result answers every later delivery until the retention ends.
+    COMPLETED = "COMPLETED"
+    #: The last execution ended without completing (an error, ``retry()``, ``replace()``); the
+    #: next delivery may claim it.
+    RELEASED = "RELEASED"
+
+
+class ClaimReason(str, enum.Enum):
+    """How the current owner got the key; kept on the row for operators and metrics."""
+
+    NEW = "NEW"  #: no live row: a first run (or the retention of an old result ended)
+    RETRY = "RETRY"  #: the key had been RELEASED by an earlier execution
+    TAKEOVER = "TAKEOVER"  #: the previous owner's lease had expired
+
+
+keys = Table(
+    "celery_guard_keys",
+    metadata,
+    Column("key", String(MAX_KEY_LENGTH), primary_key=True),
+    Column("task_name", String(255), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("lease_expires_at", Double, nullable=True),
+    Column("owner", String(255), nullable=True),
+    # Random per claim call: tells the claimer "this row is now yours" from the RETURNING row
+    # alone, and makes a claim resent after a lost reply recognise itself.
+    Column("claim_id", String(32), nullable=True),
+    Column("claim_reason", String(16), nullable=True),
+    Column("fingerprint", String(64), nullable=True),
+    # JSON of what re-publishing the task needs (name, args, kwargs, routing, headers).
+    Column("message", Text, nullable=True),
+    Column("result", Text, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("duplicates", Integer, nullable=False, default=0),
+    Column("created_at", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+    Column("completed_at", Double, nullable=True),
+    # When a COMPLETED key stops deduplicating; NULL keeps it until pruned by hand.
+    Column("expires_at", Double, nullable=True),
+    Index("ix_celery_guard_keys_state_lease", "state", "lease_expires_at"),
+    Index("ix_celery_guard_keys_expires_at", "expires_at"),
+)
+
+
+class db_epoch_now(FunctionElement[float]):  # reads like the SQL function it is
+    """The database's current time in epoch seconds (fractional), evaluated per statement."""
+
+    type = Double()
+    inherit_cache = True
+    name = "db_epoch_now"
+
+
+@compiles(db_epoch_now, "postgresql")
+def _pg_epoch_now(element: db_epoch_now, compiler: Any, **kw: Any) -> str:
+    # clock_timestamp(), not now(): now() is frozen at transaction start, and a long user
+    # transaction must not complete against a stale clock.
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
+
+
+@compiles(db_epoch_now, "sqlite")
+def _sqlite_epoch_now(element: db_epoch_now, compiler: Any, **kw: Any) -> str:
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+@compiles(db_epoch_now)
+def _default_epoch_now(element: db_epoch_now, compiler: Any, **kw: Any) -> str:
+    raise NotImplementedError(f"celery_guard has no clock expression for {compiler.dialect.name}")

@@ -1,0 +1,263 @@
+"""``GuardedTask``: the Celery glue. It reads options and headers and defers to the handler."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, ClassVar
+
+from celery import Task
+from celery._state import _task_stack
+from celery.exceptions import Reject, Retry
+
+from celery_guard.config import check_ttl_option
+from celery_guard.errors import ConfigurationError, GuardError, InFlightElsewhere, StoreError
+from celery_guard.execution import Execution
+from celery_guard.handler import Delivery, DeliveryDeferred
+from celery_guard.install import get_runtime
+from celery_guard.keys import (
+    KeyOption,
+    KeySource,
+    bind_arguments,
+    canonical_json,
+    check_key_option,
+    key_from_option,
+    payload_fingerprint,
+    validate_key,
+)
+
+#: Message headers celery_guard sets; prefixed so they never shadow a Celery ``Context`` field.
+HEADER_KEY = "guard_idempotency_key"
+HEADER_KEY_SOURCE = "guard_key_source"
+HEADER_DEFERRALS = "guard_deferrals"
+
+_EXECUTION_ATTRIBUTE = "_celery_guard_execution"
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<app default>"
+
+
+_UNSET: Any = _Unset()
+
+#: Per-task options GuardedTask understands (``@app.task(base=GuardedTask, <option>=...)``).
+TASK_OPTIONS = frozenset({"idempotency_key", "idempotency_ttl"})
+_OPTION_PREFIXES = ("idempotency_", "guard_")
+
+
+class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type information
+    """A Celery task whose effect on the store's database happens once per idempotency key.
+
+    Task options (keyword arguments of ``@app.task``):
+
+    ``idempotency_key``
+        A format string over the bound arguments (``"charge:{order_id}"``), a callable taking the
+        task's arguments, or :data:`celery_guard.BY_ARGUMENTS`. Default: the Celery task id.
+        A per-call ``apply_async(..., idempotency_key=...)`` beats it.
+    ``idempotency_ttl``
+        Seconds a COMPLETED key keeps deduplicating; ``None`` until pruned, ``0`` only while in
+        flight. Default: ``guard_result_ttl``.
+    """
+
+    #: A killed worker's message must come back: acknowledge only after the body ran, and
+    #: requeue when the child process dies (design.md, "Self-healing").
+    acks_late = True
+    reject_on_worker_lost = True
+
+    idempotency_key: ClassVar[KeyOption] = None
+    idempotency_ttl: ClassVar[Any] = _UNSET
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name") or cls.__name__
+        for attribute in cls.__dict__:
+            if attribute.startswith(_OPTION_PREFIXES) and attribute not in TASK_OPTIONS:
+                raise ConfigurationError(
+                    f"task {name}: unknown celery_guard option {attribute!r}; known options are "
+                    f"{', '.join(sorted(TASK_OPTIONS))}"
+                )
+        key_option = cls.__dict__.get("idempotency_key")
+        check_key_option(name, key_option)
+        if (
+            key_option is not None
+            and not isinstance(key_option, (str, staticmethod))
+            and (callable(key_option) and hasattr(key_option, "__get__"))
+        ):
+            # A function stored on a class becomes a method; the key callable takes the task's
+            # arguments only.
+            cls.idempotency_key = staticmethod(key_option)
+        if "idempotency_ttl" in cls.__dict__ and cls.idempotency_ttl is not _UNSET:
+            check_ttl_option(f"task {name}: idempotency_ttl", cls.idempotency_ttl)
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Send the task; ``idempotency_key=...`` sets a per-call key (carried in a header).
+
+        The key is computed and checked here when it can be, so a bad key or unserializable
+        arguments fail in the caller, before anything is sent.
+        """
+        per_call_key = options.pop("idempotency_key", None)
+        headers = dict(options.pop("headers", None) or {})
+        if per_call_key is not None:
+            headers[HEADER_KEY] = validate_key(per_call_key)
+            headers[HEADER_KEY_SOURCE] = KeySource.CALL.value
+        elif HEADER_KEY not in headers and self.idempotency_key is not None:
+            headers[HEADER_KEY] = self._key_from_option(args or (), kwargs or {})
+            headers[HEADER_KEY_SOURCE] = KeySource.OPTION.value
+        if HEADER_KEY in headers and headers.get(HEADER_KEY_SOURCE) != KeySource.TASK_ID.value:
+            # The worker refuses payloads it cannot fingerprint; refuse them here instead.
+            payload_fingerprint(self.name, bind_arguments(self.run, args or (), kwargs or {}))
+        if headers:
+            options["headers"] = headers
+        return super().apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, **options
+        )
+
+    # -- executing ----------------------------------------------------------------------------
+
+    @property
+    def guard(self) -> Execution:
+        """The running execution: ``transaction()``, ``fencing_token``, ``key``, ``attempts``."""
+        execution = getattr(self.request, _EXECUTION_ATTRIBUTE, None)
+        if execution is None:
+            raise GuardError(
+                f"{self.name}: self.guard exists only while the task body runs "
+                "(declare the task with bind=True)"
+            )
+        return execution  # type: ignore[no-any-return]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        runtime = get_runtime(self.app)
+        request = self.request
+        if request.called_directly:
+            return self._call_directly(runtime.store, args, kwargs)
+        delivery = self._delivery(request, args, kwargs, runtime.config.result_ttl)
+        try:
+            return runtime.handler.execute(
+                self, delivery, lambda execution: self._run_body(execution, args, kwargs)
+            )
+        except DeliveryDeferred as deferred:
+            raise self._defer(delivery, deferred) from None
+
+    def _run_body(self, execution: Execution, args: Any, kwargs: Any) -> Any:
+        request = self.request
+        setattr(request, _EXECUTION_ATTRIBUTE, execution)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            setattr(request, _EXECUTION_ATTRIBUTE, None)
+
+    def _call_directly(self, store: Any, args: Any, kwargs: Any) -> Any:
+        """A plain function call: no message, no key; ``self.guard.transaction()`` still works."""
+        execution = Execution(store, key=None, fencing_token=None, attempts=1, claim_reason=None)
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs)
+        setattr(self.request, _EXECUTION_ATTRIBUTE, execution)
+        try:
+            value = self.run(*args, **kwargs)
+        except BaseException:
+            execution.abort()
+            raise
+        finally:
+            self.pop_request()
+            _task_stack.pop()
+        execution.finish("null", None)
+        return value
+
+    def _delivery(
+        self, request: Any, args: Any, kwargs: Any, default_retention: float | None
+    ) -> Delivery:
+        headers = request.headers or {}
+        key = headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None)
+        if key is not None:
+            source = KeySource(
+                headers.get(HEADER_KEY_SOURCE)
+                or getattr(request, HEADER_KEY_SOURCE, None)
+                or KeySource.CALL.value
+            )
+            key = validate_key(key)
+        else:
+            key = self._key_from_option(args, kwargs)
+            source = KeySource.OPTION
+        if key is None:
+            key, source = request.id, KeySource.TASK_ID
+        arguments = bind_arguments(self.run, args, kwargs)
+        try:
+            fingerprint: str | None = payload_fingerprint(self.name, arguments)
+        except GuardError:
+            if source is not KeySource.TASK_ID:
+                raise
+            # A task-id key never compares payloads; pickled arguments are fine there.
+            fingerprint = None
+        retention = self.idempotency_ttl
+        return Delivery(
+            task_name=self.name,
+            key=key,
+            key_source=source,
+            fingerprint=fingerprint,
+            message=self._republish_message(request, args, kwargs, key, source)
+            if fingerprint is not None
+            else None,
+            retention=default_retention if retention is _UNSET else retention,
+            owner=f"{request.hostname or socket.gethostname()}/{os.getpid()}",
+            deferrals=int(headers.get(HEADER_DEFERRALS) or 0),
+        )
+
+    def _key_from_option(self, args: Any, kwargs: Any) -> str | None:
+        return key_from_option(
+            self.idempotency_key, task_name=self.name, fun=self.run, args=args, kwargs=kwargs
+        )
+
+    def _republish_message(
+        self, request: Any, args: Any, kwargs: Any, key: str, source: KeySource
+    ) -> str:
+        """What re-publishing this delivery needs, stored with the claim."""
+        delivery_info = request.delivery_info or {}
+        return canonical_json(
+            {
+                "task": self.name,
+                "id": request.id,
+                "args": list(args),
+                "kwargs": dict(kwargs),
+                "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
+                "exchange": delivery_info.get("exchange"),
+                "routing_key": delivery_info.get("routing_key"),
+                "priority": delivery_info.get("priority"),
+            }
+        )
+
+    def _defer(self, delivery: Delivery, deferred: DeliveryDeferred) -> BaseException:
+        """Re-publish this delivery for later and end this one as a retry, losing nothing."""
+        request = self.request
+        if request.is_eager:
+            cause = deferred.__cause__
+            return cause if isinstance(cause, StoreError) else InFlightElsewhere(delivery.key)
+        headers = {
+            **(request.headers or {}),
+            HEADER_KEY: delivery.key,
+            HEADER_KEY_SOURCE: delivery.key_source.value,
+            HEADER_DEFERRALS: delivery.deferrals + 1,
+        }
+        signature = self.signature_from_request(
+            request, countdown=deferred.countdown, headers=headers
+        )
+        try:
+            signature.apply_async()
+        except Exception as exc:
+            # Cannot re-publish either: hand the message back to the broker unacknowledged.
+            rejected: BaseException = Reject(f"celery_guard could not defer: {exc}", requeue=True)
+            return rejected
+        retry: BaseException = Retry(str(deferred), when=deferred.countdown, sig=signature)
+        return retry

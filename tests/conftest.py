@@ -1,0 +1,68 @@
+"""Session-wide servers: a private PostgreSQL and a private Redis on free loopback ports.
+
+They start on first use (a run of unit tests starts neither) and stop, by PID, at session end.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from celery_guard import GuardConfig
+from celery_guard.store.sql import SqlStore
+from tests.rig.servers import PostgresServer, RedisServer
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def fresh_database_name() -> str:
+    return f"t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def pg_url(postgres: PostgresServer) -> str:
+    """A new, empty PostgreSQL database for one test."""
+    return postgres.create_database(fresh_database_name())
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store.sqlite3'}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """Every store test runs on the embedded SQLite default and on PostgreSQL."""
+    fixture = "sqlite_url" if request.param == "sqlite" else "pg_url"
+    return str(request.getfixturevalue(fixture))
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[SqlStore]:
+    sql_store = SqlStore(GuardConfig(store_url=store_url, store_timeout=5.0))
+    sql_store.ensure_schema()
+    try:
+        yield sql_store
+    finally:
+        sql_store.dispose()

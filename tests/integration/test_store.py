@@ -1,0 +1,245 @@
+"""The store's transitions, on SQLite and on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from typing import Any
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, Table, event, insert, select
+
+from celery_guard import Fenced, GuardConfig, StoreError, StoreUnavailable
+from celery_guard.store import ClaimOutcome, ClaimRequest, KeyState, SqlStore
+from tests.rig.ports import free_port
+from tests.rig.procs import wait_until
+
+effects_metadata = MetaData()
+effects = Table("store_effects", effects_metadata, Column("id", Integer, primary_key=True))
+
+
+def request(key: str = "k", fingerprint: str | None = "fp-a", **overrides: Any) -> ClaimRequest:
+    values: dict[str, Any] = {
+        "key": key,
+        "task_name": "tests.task",
+        "fingerprint": fingerprint,
+        "check_fingerprint": True,
+        "owner": "w1/1",
+        "message": '{"task": "tests.task"}',
+        "lease_ttl": 30.0,
+    }
+    values.update(overrides)
+    return ClaimRequest(**values)
+
+
+def test_first_claim_owns_the_key(store: SqlStore) -> None:
+    claim = store.claim(request())
+    assert claim.outcome is ClaimOutcome.CLAIMED
+    record = claim.record
+    assert (record.state, record.attempts, record.fencing_token) == ("RUNNING", 1, 1)
+    assert record.claim_reason == "NEW"
+    assert 29.0 < claim.lease_remaining <= 30.0
+
+
+def test_a_live_lease_is_in_flight_for_everyone_else(store: SqlStore) -> None:
+    store.claim(request())
+    second = store.claim(request(owner="w2/2"))
+    assert second.outcome is ClaimOutcome.IN_FLIGHT
+    assert second.record.owner == "w1/1"
+    assert second.record.fencing_token == 1
+    assert 0 < second.lease_remaining <= 30.0
+
+
+def test_completed_key_answers_with_its_result_and_counts_duplicates(store: SqlStore) -> None:
+    token = store.claim(request()).record.fencing_token
+    store.complete("k", token, '{"charged": 10}', retention=60.0)
+    for expected_duplicates in (1, 2, 3):
+        replay = store.claim(request(owner="w2/2"))
+        assert replay.outcome is ClaimOutcome.DUPLICATE
+        assert replay.record.result == '{"charged": 10}'
+        assert replay.record.duplicates == expected_duplicates
+    record = store.get("k")
+    assert record is not None and record.state == KeyState.COMPLETED.value
+    assert record.attempts == 1 and record.fencing_token == 1
+
+
+@pytest.mark.parametrize("complete_first", [False, True])
+def test_a_different_payload_under_one_key_conflicts_and_changes_nothing(
+    store: SqlStore, complete_first: bool
+) -> None:
+    token = store.claim(request()).record.fencing_token
+    if complete_first:
+        store.complete("k", token, "1", retention=60.0)
+    before = store.get("k")
+    conflict = store.claim(request(fingerprint="fp-b", owner="w2/2"))
+    assert conflict.outcome is ClaimOutcome.CONFLICT
+    assert store.get("k") == before
+
+
+def test_task_id_keys_accept_a_new_payload_after_release(store: SqlStore) -> None:
+    """Task.replace() reuses the task id with another task: it must be able to claim."""
+    token = store.claim(request(check_fingerprint=False)).record.fencing_token
+    assert store.release("k", token, "Ignore: replaced")
+    successor = store.claim(request(fingerprint="fp-b", check_fingerprint=False))
+    assert successor.outcome is ClaimOutcome.CLAIMED
+    assert successor.record.fingerprint == "fp-b"
+
+
+def test_release_lets_the_next_delivery_retry_with_a_newer_token(store: SqlStore) -> None:
+    token = store.claim(request()).record.fencing_token
+    assert store.release("k", token, "ValueError: boom")
+    released = store.get("k")
+    assert released is not None and released.state == "RELEASED"
+    assert released.last_error == "ValueError: boom"
+    retry = store.claim(request())
+    assert retry.outcome is ClaimOutcome.CLAIMED
+    assert (retry.record.attempts, retry.record.fencing_token) == (2, 2)
+    assert retry.record.claim_reason == "RETRY"
+    assert not store.release("k", token, "stale owner"), "an old token cannot release"
+
+
+def test_expired_lease_is_taken_over_and_the_old_owner_is_fenced(store: SqlStore) -> None:
+    old = store.claim(request(lease_ttl=0.2))
+    takeover = None
+
+    def taken_over() -> bool:
+        nonlocal takeover
+        takeover = store.claim(request(owner="w2/2"))
+        return takeover.outcome is ClaimOutcome.CLAIMED
+
+    wait_until(taken_over, timeout=10, what="the expired lease to be taken over")
+    assert takeover is not None
+    assert takeover.record.claim_reason == "TAKEOVER"
+    assert takeover.record.fencing_token == old.record.fencing_token + 1
+    assert takeover.record.attempts == 2
+    with pytest.raises(Fenced):
+        store.complete("k", old.record.fencing_token, '"old"', retention=60.0)
+    store.complete("k", takeover.record.fencing_token, '"new"', retention=60.0)
+    record = store.get("k")
+    assert record is not None and record.result == '"new"'
+
+
+def test_zero_retention_dedups_only_while_in_flight_and_tokens_keep_rising(
+    store: SqlStore,
+) -> None:
+    first = store.claim(request())
+    store.complete("k", first.record.fencing_token, "1", retention=0.0)
+    again = store.claim(request(fingerprint="fp-other"))
+    assert again.outcome is ClaimOutcome.CLAIMED
+    assert again.record.attempts == 1
+    assert again.record.claim_reason == "NEW"
+    assert again.record.fencing_token == first.record.fencing_token + 1
+
+
+def test_no_retention_keeps_the_result(store: SqlStore) -> None:
+    token = store.claim(request()).record.fencing_token
+    store.complete("k", token, "1", retention=None)
+    record = store.get("k")
+    assert record is not None and record.expires_at is None
+    assert store.claim(request()).outcome is ClaimOutcome.DUPLICATE
+
+
+def test_completion_in_a_transaction_commits_with_the_task_writes(store: SqlStore) -> None:
+    effects_metadata.create_all(store.engine)
+    token = store.claim(request()).record.fencing_token
+    with store.connect() as connection:
+        transaction = connection.begin()
+        connection.execute(insert(effects).values(id=1))
+        store.complete("k", token, "1", retention=60.0, connection=connection)
+        store.commit(transaction)
+    with store.engine.connect() as connection:
+        assert connection.execute(select(effects.c.id)).scalars().all() == [1]
+    record = store.get("k")
+    assert record is not None and record.state == "COMPLETED"
+
+
+def test_a_fenced_completion_rolls_back_the_task_writes(store: SqlStore) -> None:
+    effects_metadata.create_all(store.engine)
+    stale = store.claim(request(lease_ttl=0.1)).record.fencing_token
+    wait_until(
+        lambda: store.claim(request(owner="w2/2")).outcome is ClaimOutcome.CLAIMED,
+        timeout=10,
+        what="takeover",
+    )
+    with store.connect() as connection:
+        transaction = connection.begin()
+        connection.execute(insert(effects).values(id=1))
+        with pytest.raises(Fenced):
+            store.complete("k", stale, "1", retention=60.0, connection=connection)
+        transaction.rollback()
+    with store.engine.connect() as connection:
+        assert connection.execute(select(effects.c.id)).scalars().all() == []
+
+
+def test_concurrent_claims_have_exactly_one_winner(store: SqlStore) -> None:
+    outcomes: list[ClaimOutcome] = []
+    barrier = threading.Barrier(8)
+    lock = threading.Lock()
+
+    def claimer(n: int) -> None:
+        barrier.wait(timeout=10)
+        outcome = store.claim(request(owner=f"w{n}/{n}")).outcome
+        with lock:
+            outcomes.append(outcome)
+
+    threads = [threading.Thread(target=claimer, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(o.value for o in outcomes) == ["claimed"] + ["in_flight"] * 7
+
+
+def test_a_claim_is_one_statement_on_postgresql(pg_url: str) -> None:
+    store = SqlStore(GuardConfig(store_url=pg_url))
+    store.ensure_schema()
+    statements: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    try:
+        token = store.claim(request()).record.fencing_token
+        assert len(statements) == 1 and statements[0].lstrip().upper().startswith("INSERT")
+        store.complete("k", token, "1", retention=60.0)
+        assert len(statements) == 2 and statements[1].lstrip().upper().startswith("UPDATE")
+    finally:
+        store.dispose()
+
+
+def _claim_in_child(store: SqlStore, queue: Any) -> None:
+    claim = store.claim(request(key="child"))
+    store.complete("child", claim.record.fencing_token, '"from child"', retention=60.0)
+    queue.put(claim.outcome.value)
+
+
+def test_a_forked_child_builds_its_own_engine(store: SqlStore) -> None:
+    """An engine used before fork must not be shared: the child opens its own connections."""
+    store.claim(request(key="parent"))
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_claim_in_child, args=(store, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=30) == "claimed"
+    finally:
+        child.join(timeout=30)
+        queue.close()
+        queue.join_thread()
+    assert child.exitcode == 0
+    record = store.get("child")
+    assert record is not None and record.result == '"from child"'
+    assert store.claim(request(key="parent")).outcome is ClaimOutcome.IN_FLIGHT
+
+
+def test_an_unreachable_store_fails_fast_without_leaking_the_password() -> None:
+    url = f"postgresql://shop:s3cret@127.0.0.1:{free_port()}/shop"
+    store = SqlStore(GuardConfig(store_url=url, store_timeout=1.0))
+    with pytest.raises(StoreUnavailable) as caught:
+        store.claim(request())
+    assert "s3cret" not in str(caught.value)
+    assert "127.0.0.1" in str(caught.value)
+
+
+def test_missing_tables_name_the_fix(sqlite_url: str) -> None:
+    store = SqlStore(GuardConfig(store_url=sqlite_url, create_tables=False))
+    with pytest.raises(StoreError, match="guard migrate"):
+        store.claim(request())
+    store.dispose()

@@ -1,0 +1,69 @@
+"""GuardConfig: every bad value fails at install() with a message naming its key."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+import celery_guard
+from celery_guard import ConfigurationError, GuardConfig
+
+
+def make_app(**conf: object) -> Celery:
+    app = Celery("config_test", broker="memory://", set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+def test_defaults_use_embedded_sqlite() -> None:
+    config = GuardConfig.from_celery_conf(make_app().conf)
+    assert config.store_url == "sqlite:///celery_guard.sqlite3"
+    assert config.lease_ttl == 10.0
+    assert config.result_ttl == 7 * 24 * 3600.0
+    assert config.create_tables is True
+
+
+def test_postgresql_urls_are_pinned_to_psycopg3() -> None:
+    for url in ("postgresql://u:p@127.0.0.1/db", "postgres://u:p@127.0.0.1/db"):
+        config = GuardConfig(store_url=url)
+        assert config.store_url.startswith("postgresql+psycopg://")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("guard_store_url", "mysql://u@127.0.0.1/db", "guard_store_url scheme 'mysql'"),
+        ("guard_store_url", "postgresql+psycopg2://u@127.0.0.1/db", "psycopg 3"),
+        ("guard_store_url", "not a url", "guard_store_url is not a database URL"),
+        ("guard_store_url", 42, "guard_store_url must be a URL string"),
+        ("guard_lease_ttl", "10", "guard_lease_ttl must be a number"),
+        ("guard_lease_ttl", 0, "guard_lease_ttl must be a finite number >= 0.1"),
+        ("guard_store_timeout", float("nan"), "guard_store_timeout must be a finite number"),
+        ("guard_result_ttl", -1, "guard_result_ttl must be a finite number >= 0.0"),
+        ("guard_result_ttl", True, "guard_result_ttl must be a number"),
+        ("guard_create_tables", "yes", "guard_create_tables must be True or False"),
+        ("guard_lease_tll", 5, "unknown celery_guard setting 'guard_lease_tll'; did you mean"),
+    ],
+)
+def test_bad_values_fail_at_install_naming_the_key(key: str, value: object, message: str) -> None:
+    app = make_app(**{key: value})
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        celery_guard.install(app)
+    with pytest.raises(ConfigurationError, match="install"):
+        celery_guard.get_runtime(app)
+
+
+def test_result_ttl_none_keeps_results_until_pruned() -> None:
+    config = GuardConfig.from_celery_conf(make_app(guard_result_ttl=None).conf)
+    assert config.result_ttl is None
+
+
+def test_safe_store_url_hides_the_password() -> None:
+    config = GuardConfig(store_url="postgresql://shop:s3cret@127.0.0.1/shop")
+    assert "s3cret" not in config.safe_store_url()
+    assert "***" in config.safe_store_url()
+
+
+def test_install_is_idempotent_per_app() -> None:
+    app = make_app()
+    assert celery_guard.install(app) is celery_guard.install(app)

@@ -1,0 +1,108 @@
+"""Key resolution, validation and payload fingerprints."""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_guard import BY_ARGUMENTS, MAX_KEY_LENGTH, InvalidIdempotencyKey
+from celery_guard.errors import ConfigurationError, UnserializableArguments
+from celery_guard.keys import (
+    bind_arguments,
+    check_key_option,
+    key_from_option,
+    payload_fingerprint,
+    validate_key,
+)
+
+
+def charge(order_id: int, amount: int, currency: str = "EUR") -> None:
+    """A task body's signature, for binding."""
+
+
+def key(option: object, *args: object, **kwargs: object) -> str | None:
+    return key_from_option(option, task_name="shop.charge", fun=charge, args=args, kwargs=kwargs)  # type: ignore[arg-type]
+
+
+def test_format_string_binds_positional_and_keyword_arguments_alike() -> None:
+    assert key("charge:{order_id}", 7, 10) == "charge:7"
+    assert key("charge:{order_id}", order_id=7, amount=10) == "charge:7"
+    assert key("charge:{order_id}:{currency}", 7, 10) == "charge:7:EUR"
+    assert key("charge:{0}", 7, 10) == "charge:7"
+
+
+def test_format_string_naming_a_missing_argument_is_a_clear_error() -> None:
+    with pytest.raises(InvalidIdempotencyKey, match=r"cannot be formatted.*'customer'"):
+        key("charge:{customer}", 7, 10)
+
+
+def test_callable_option_gets_the_task_arguments() -> None:
+    assert key(lambda order_id, amount: f"c-{order_id}-{amount}", 7, amount=10) == "c-7-10"
+
+
+def test_callable_returning_a_non_string_is_refused() -> None:
+    with pytest.raises(InvalidIdempotencyKey, match="must be a string, got int"):
+        key(lambda order_id, amount: order_id, 7, 10)
+
+
+def test_by_arguments_is_the_same_for_positional_and_keyword_calls() -> None:
+    positional = key(BY_ARGUMENTS, 7, 10)
+    keyword = key(BY_ARGUMENTS, amount=10, order_id=7)
+    assert positional == keyword
+    assert positional is not None and positional.startswith("shop.charge:")
+    assert key(BY_ARGUMENTS, 7, 11) != positional
+
+
+def test_no_option_means_no_key_here() -> None:
+    assert key(None, 7, 10) is None
+
+
+@pytest.mark.parametrize("bad", [None, 5, b"bytes", ""])
+def test_validate_key_refuses_non_strings_and_empty(bad: object) -> None:
+    with pytest.raises(InvalidIdempotencyKey):
+        validate_key(bad)
+
+
+def test_validate_key_refuses_keys_longer_than_the_column() -> None:
+    assert validate_key("k" * MAX_KEY_LENGTH) == "k" * MAX_KEY_LENGTH
+    with pytest.raises(InvalidIdempotencyKey, match=f"at most {MAX_KEY_LENGTH}"):
+        validate_key("k" * (MAX_KEY_LENGTH + 1))
+
+
+def test_fingerprint_covers_dates_and_uuids_but_refuses_arbitrary_objects() -> None:
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    ident = uuid.UUID(int=5)
+    assert payload_fingerprint("t", {"a": when, "b": ident}) == payload_fingerprint(
+        "t", {"b": ident, "a": when}
+    )
+    with pytest.raises(UnserializableArguments, match="JSON-serializable"):
+        payload_fingerprint("t", {"a": object()})
+
+
+def test_arguments_that_do_not_fit_the_signature_are_fingerprinted_as_sent() -> None:
+    assert bind_arguments(charge, (1, 2, 3, 4), {}) == {"args": [1, 2, 3, 4], "kwargs": {}}
+
+
+@pytest.mark.parametrize("bad", [5, "", "unclosed {brace", ["list"]])
+def test_malformed_key_options_fail_at_definition(bad: object) -> None:
+    with pytest.raises(ConfigurationError, match="idempotency_key"):
+        check_key_option("shop.charge", bad)
+
+
+@given(
+    order_id=st.integers(),
+    amount=st.integers() | st.floats(allow_nan=False) | st.text(),
+    currency=st.text(),
+)
+def test_fingerprint_depends_only_on_bound_values(
+    order_id: int, amount: object, currency: str
+) -> None:
+    by_position = bind_arguments(charge, (order_id, amount, currency), {})
+    by_name = bind_arguments(
+        charge, (), {"currency": currency, "amount": amount, "order_id": order_id}
+    )
+    assert payload_fingerprint("t", by_position) == payload_fingerprint("t", by_name)
