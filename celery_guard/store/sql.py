@@ -310,9 +310,9 @@ class SqlStore:
         if self.dialect_name == "postgresql":
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
                 return _read(connection.execute(statement))
-        with engine.connect().execution_options(**{_SQLITE_READ_ONLY: read_only}) as connection:
-            with connection.begin():
-                return _read(connection.execute(statement))
+        options = {_SQLITE_READ_ONLY: read_only}
+        with engine.connect().execution_options(**options) as connection, connection.begin():
+            return _read(connection.execute(statement))
 
     def _call(self, operation: Callable[[], T]) -> T:
         """Run a store operation, once more after a dropped connection; wrap driver errors."""
