@@ -1,0 +1,118 @@
+"""Real ``celery worker`` processes (prefork) running ``tests/apps/shop.py`` on private servers."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+import celery_guard
+from celery_guard.store import KeyRecord
+from tests.rig.procs import wait_until
+from tests.rig.servers import PostgresServer, RedisServer
+from tests.rig.workers import WorkerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOP_APP = "tests.apps.shop"
+
+
+@pytest.fixture(scope="session")
+def shop_env(
+    postgres: PostgresServer, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
+    env = {
+        "CG_BROKER_URL": redis_server.url_for(1),
+        "CG_RESULT_URL": redis_server.url_for(2),
+        "CG_STORE_URL": postgres.create_database(f"shop_{uuid.uuid4().hex[:8]}"),
+        "CG_MARKER_DIR": str(tmp_path_factory.mktemp("markers")),
+        "CG_LEASE_TTL": "10",
+    }
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def shop(shop_env: dict[str, str]) -> ModuleType:
+    """The shop app as the test process sees it (publishing, reading results and tables)."""
+    module = importlib.import_module(SHOP_APP)
+    runtime = celery_guard.get_runtime(module.app)
+    runtime.migrate()
+    module.metadata.create_all(runtime.store.engine)
+    return module
+
+
+def start_workers(count: int, env: dict[str, str], **options: Any) -> list[WorkerProcess]:
+    workers = [
+        WorkerProcess(SHOP_APP, env=env, cwd=ROOT, **{"concurrency": 2, **options})
+        for _ in range(count)
+    ]
+    try:
+        for worker in workers:
+            worker.start(wait_ready=False)
+        for worker in workers:
+            worker.wait_ready(timeout=60)
+    except BaseException:
+        for worker in workers:
+            worker.kill()
+        raise
+    return workers
+
+
+@pytest.fixture(scope="session")
+def shop_workers(shop: ModuleType, shop_env: dict[str, str]) -> Iterator[list[WorkerProcess]]:
+    """Two prefork workers, concurrency 2 each, consuming the shop's queue."""
+    workers = start_workers(2, shop_env)
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture
+def tag() -> str:
+    """A fresh tag per test, so tests sharing the workers and tables never see each other."""
+    return uuid.uuid4().hex[:12]
+
+
+def effect_count(shop: ModuleType, tag: str) -> int:
+    engine = celery_guard.get_runtime(shop.app).store.engine
+    with engine.connect() as connection:
+        return int(
+            connection.execute(
+                select(func.count()).select_from(shop.effects).where(shop.effects.c.tag == tag)
+            ).scalar_one()
+        )
+
+
+def key_record(shop: ModuleType, key: str) -> KeyRecord | None:
+    return celery_guard.get_runtime(shop.app).store.get(key)
+
+
+def wait_for_key_state(shop: ModuleType, key: str, state: str, timeout: float = 30) -> KeyRecord:
+    found: list[KeyRecord] = []
+
+    def reached() -> bool:
+        record = key_record(shop, key)
+        if record is not None and record.state == state:
+            found.append(record)
+            return True
+        return False
+
+    wait_until(reached, timeout, f"key {key!r} to reach {state}")
+    return found[-1]

@@ -1,0 +1,139 @@
+"""The Celery app the acceptance tests run in real worker processes.
+
+Every task of the app is guarded (``task_cls``), as a user switching a whole app would do.
+Configuration comes from the environment so the test process and its workers agree.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, insert
+
+import celery_guard
+from celery_guard import BY_ARGUMENTS
+
+app = Celery(
+    "shop",
+    broker=os.environ.get("CG_BROKER_URL", "redis://127.0.0.1:6379/1"),
+    backend=os.environ.get("CG_RESULT_URL", os.environ.get("CG_BROKER_URL")),
+    set_as_current=False,
+    task_cls="celery_guard:GuardedTask",
+)
+app.conf.update(
+    guard_store_url=os.environ.get("CG_STORE_URL", "sqlite:///shop.sqlite3"),
+    guard_store_timeout=float(os.environ.get("CG_STORE_TIMEOUT", "2")),
+    guard_lease_ttl=float(os.environ.get("CG_LEASE_TTL", "10")),
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    result_expires=600,
+)
+celery_guard.install(app)
+
+metadata = MetaData()
+#: One row per body execution that committed: what the tests count.
+effects = Table(
+    "effects",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("tag", String(200), nullable=False),
+    Column("idempotency_key", String(255)),
+    Column("fencing_token", BigInteger),
+    Column("pid", Integer),
+)
+
+
+def write_effect(task: Any, tag: str) -> None:
+    with task.guard.transaction() as connection:
+        connection.execute(
+            insert(effects).values(
+                tag=tag,
+                idempotency_key=task.guard.key,
+                fencing_token=task.guard.fencing_token,
+                pid=os.getpid(),
+            )
+        )
+
+
+@app.task(name="shop.record", bind=True, idempotency_key="record:{tag}")
+def record(self: Any, tag: str, value: Any = None) -> dict[str, Any]:
+    write_effect(self, tag)
+    return {"tag": tag, "value": value}
+
+
+@app.task(name="shop.record_by_id", bind=True)
+def record_by_id(self: Any, tag: str) -> str:
+    write_effect(self, tag)
+    return tag
+
+
+@app.task(name="shop.tick", bind=True)
+def tick(self: Any) -> str:
+    """A periodic-style task without arguments: every call must run."""
+    write_effect(self, f"tick:{self.request.id}")
+    return "tock"
+
+
+@app.task(name="shop.by_args", bind=True, idempotency_key=BY_ARGUMENTS)
+def by_args(self: Any, tag: str, n: int) -> int:
+    write_effect(self, tag)
+    return n
+
+
+@app.task(name="shop.slow", bind=True, idempotency_key="slow:{tag}")
+def slow(self: Any, tag: str, seconds: float) -> str:
+    time.sleep(seconds)
+    write_effect(self, tag)
+    return tag
+
+
+@app.task(
+    name="shop.write_then_fail",
+    bind=True,
+    idempotency_key="wtf:{tag}",
+    autoretry_for=(RuntimeError,),
+    max_retries=3,
+    default_retry_delay=0.1,
+)
+def write_then_fail(self: Any, tag: str, failures: int) -> int:
+    """Writes, then raises on its first ``failures`` attempts (Celery's autoretry retries it)."""
+    with self.guard.transaction() as connection:
+        connection.execute(insert(effects).values(tag=tag, idempotency_key=self.guard.key))
+        if self.request.retries < failures:
+            raise RuntimeError(f"planned failure {self.request.retries + 1} of {failures}")
+    return int(self.request.retries)
+
+
+@app.task(name="shop.fail_once_by_tag", bind=True, idempotency_key="fail:{tag}")
+def fail_once_by_tag(self: Any, tag: str) -> str:
+    """Writes, then raises while the marker file exists (no retry: the task fails)."""
+    write_effect(self, tag)
+    if os.path.exists(os.path.join(os.environ.get("CG_MARKER_DIR", "/nonexistent"), tag)):
+        raise RuntimeError("marker present: failing after the write")
+    return tag
+
+
+@app.task(name="shop.add")
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="shop.replace_with_add", bind=True)
+def replace_with_add(self: Any, x: int) -> Any:
+    raise self.replace(add.si(x, 100))
+
+
+@app.task(name="shop.retry_once", bind=True)
+def retry_once(self: Any, x: int) -> int:
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.1)
+    return x * 2
+
+
+@app.task(name="shop.unserializable_result", bind=True, idempotency_key="unser:{tag}")
+def unserializable_result(self: Any, tag: str) -> object:
+    write_effect(self, tag)
+    return object()

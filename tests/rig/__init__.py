@@ -1,0 +1,1 @@
+"""Test rig: private PostgreSQL/Redis servers and real Celery worker processes for the tests."""

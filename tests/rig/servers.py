@@ -1,0 +1,344 @@
+"""Private PostgreSQL and Redis servers, one per test session, started as child processes.
+
+Both run in their own session/process group, are registered for atexit cleanup and are
+stopped by PID. Startup waits are bounded; failures raise RuntimeError with the log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import psycopg
+import redis
+from psycopg import sql
+
+from . import procs
+from .ports import free_port
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+REDIS_SERVER = "/usr/bin/redis-server"
+PG_TEST_DB = "celery_guard_test"
+PG_SERVICE_USER = "celerytest"
+
+
+def _pg_os_user() -> str | None:
+    """The unprivileged account to run PostgreSQL as, or None when we are not root.
+
+    PostgreSQL refuses to run as root. Prefer the distro's ``postgres`` account; otherwise
+    use (and if needed create) a dedicated system user.
+    """
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", PG_SERVICE_USER):
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", PG_SERVICE_USER],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return PG_SERVICE_USER
+
+
+def _user_kwargs(user: str | None) -> dict[str, Any]:
+    """Popen arguments that drop root to ``user`` (Popen does setgroups/setgid/setuid)."""
+    if user is None:
+        return {}
+    entry = pwd.getpwnam(user)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without PG* variables (they would redirect psql/initdb) plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(extra)
+    return env
+
+
+_S = TypeVar("_S", bound="_ServerBase")
+
+
+class _ServerBase:
+    """Shared lifecycle: Popen in a new session, log file, registry, context manager."""
+
+    name = "server"
+
+    def __init__(self, port: int | None = None) -> None:
+        self._port = port or free_port()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: Path | None = None
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} is not running")
+        return self._proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        assert self._tmp is not None, f"{self.name} was never started"
+        return self._tmp / f"{self.name}.log"
+
+    def _spawn(self, argv: list[str], **kwargs: Any) -> None:
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                **kwargs,
+            )
+        procs.register(self)
+
+    def _fail(self, message: str) -> RuntimeError:
+        tail = procs.log_tail(self.log_path) if self._tmp else ""
+        return RuntimeError(
+            f"{self.name} on port {self._port}: {message}\n--- log tail ---\n{tail}"
+        )
+
+    def _wait_ready(self, probe: Callable[[], bool], timeout: float) -> None:
+        """Poll ``probe()`` (True when ready) until timeout; fail fast if the process died."""
+
+        def ready() -> bool:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"exited with code {self._proc.returncode} during startup")
+            return bool(probe())
+
+        try:
+            procs.wait_until(ready, timeout, f"{self.name} to accept connections", 0.1)
+        except Exception as exc:
+            err = self._fail(str(exc))
+            self._abort()
+            raise err from None
+
+    def _abort(self) -> None:
+        """Kill everything and drop the temp dir after a failed start."""
+        self.emergency_kill()
+        procs.unregister(self)
+
+    def _shutdown(self, sig: int, timeout: float) -> None:
+        if self._proc is not None:
+            procs.terminate_tree(self._proc, sig, timeout)
+            self._proc = None
+        procs.unregister(self)
+
+    def emergency_kill(self) -> None:
+        procs.kill_tree_now(self._proc)
+        self._proc = None
+        procs.remove_tree(self._tmp)
+        self._tmp = None
+
+    def freeze(self) -> None:
+        """SIGSTOP the server and all its descendants (e.g. every postgres backend)."""
+        procs.signal_tree(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        procs.signal_tree(self.pid, signal.SIGCONT)
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _S) -> _S:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class PostgresServer(_ServerBase):
+    """A throwaway PostgreSQL 15 cluster (trust auth, fsync off) on 127.0.0.1:port."""
+
+    name = "postgres"
+
+    def __init__(self, port: int | None = None, start_timeout: float = 30) -> None:
+        super().__init__(port)
+        self.start_timeout = start_timeout
+        self._os_user = _pg_os_user()
+
+    @property
+    def url(self) -> str:
+        """SQLAlchemy URL of the ``celery_guard_test`` database."""
+        return self.url_for(PG_TEST_DB)
+
+    def url_for(self, dbname: str) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self._port}/{dbname}"
+
+    def dsn_for(self, dbname: str = PG_TEST_DB) -> str:
+        """libpq/psycopg connection string (no SQLAlchemy driver suffix)."""
+        return f"postgresql://postgres@127.0.0.1:{self._port}/{dbname}"
+
+    def _connect_admin(self, connect_timeout: int = 5) -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            self.dsn_for("postgres"), autocommit=True, connect_timeout=connect_timeout
+        )
+
+    def start(self) -> None:
+        """initdb into a fresh temp dir, start postgres, create ``celery_guard_test``."""
+        if self._proc is not None:
+            return
+        self._tmp = Path(tempfile.mkdtemp(prefix="rig-pg-"))
+        (self._tmp / "sock").mkdir()
+        if self._os_user is not None:
+            entry = pwd.getpwnam(self._os_user)
+            for p in (self._tmp, self._tmp / "sock"):
+                os.chown(p, entry.pw_uid, entry.pw_gid)
+        procs.register(self)  # so the temp dir is removed even if initdb fails
+        with open(self.log_path, "ab") as log:
+            result = subprocess.run(
+                [
+                    str(PG_BIN / "initdb"),
+                    "-D",
+                    str(self._tmp / "data"),
+                    "--auth=trust",
+                    "-U",
+                    "postgres",
+                    "--encoding=UTF8",
+                    "--locale=C",
+                    "--no-sync",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._tmp,
+                env=_clean_env(LC_ALL="C"),
+                timeout=120,
+                check=False,
+                **_user_kwargs(self._os_user),
+            )
+        if result.returncode != 0:
+            err = self._fail(f"initdb failed with code {result.returncode}")
+            self._abort()
+            raise err
+        self._run_postgres()
+        with self._connect_admin() as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(PG_TEST_DB)))
+
+    def _run_postgres(self) -> None:
+        assert self._tmp is not None
+        argv = [str(PG_BIN / "postgres"), "-D", str(self._tmp / "data")]
+        argv += ["-p", str(self._port), "-k", str(self._tmp / "sock")]
+        for setting in (
+            "listen_addresses=127.0.0.1",
+            "fsync=off",
+            "synchronous_commit=off",
+            "full_page_writes=off",
+            "max_connections=300",
+            "shared_buffers=64MB",
+        ):
+            argv += ["-c", setting]
+        self._spawn(argv, cwd=self._tmp, env=_clean_env(LC_ALL="C"), **_user_kwargs(self._os_user))
+
+        data_dir = str(self._tmp / "data")
+
+        def accepts() -> bool:
+            # Compare the data directory so we never mistake another server on the port for ours.
+            try:
+                with self._connect_admin(connect_timeout=2) as conn:
+                    row = conn.execute("SHOW data_directory").fetchone()
+            except psycopg.OperationalError:
+                return False
+            return row is not None and row[0] == data_dir
+
+        self._wait_ready(accepts, self.start_timeout)
+
+    def create_database(self, name: str) -> str:
+        """Create a fresh database and return its SQLAlchemy URL."""
+        with self._connect_admin() as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return self.url_for(name)
+
+    def stop(self, keep_data: bool = False) -> None:
+        """Fast shutdown (SIGINT), SIGKILL after 15 s; removes the data dir unless told not to."""
+        self._shutdown(signal.SIGINT, 15)
+        if not keep_data:
+            procs.remove_tree(self._tmp)
+            self._tmp = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port with the same data (connections are lost)."""
+        self.stop(keep_data=True)
+        self._run_postgres()
+
+
+class RedisServer(_ServerBase):
+    """A throwaway redis-server without persistence on 127.0.0.1:port."""
+
+    name = "redis"
+
+    def __init__(self, port: int | None = None, start_timeout: float = 30) -> None:
+        super().__init__(port)
+        self.start_timeout = start_timeout
+
+    @property
+    def url(self) -> str:
+        return self.url_for(0)
+
+    def url_for(self, db: int) -> str:
+        return f"redis://127.0.0.1:{self._port}/{db}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        """A new redis-py client; the caller must close it (``with server.client() as r``)."""
+        return redis.Redis(host="127.0.0.1", port=self._port, db=db, socket_connect_timeout=2)
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        if self._tmp is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix="rig-redis-"))
+        argv = [REDIS_SERVER, "--port", str(self._port), "--bind", "127.0.0.1"]
+        argv += ["--save", "", "--appendonly", "no", "--dir", str(self._tmp)]
+        argv += ["--daemonize", "no", "--protected-mode", "no"]
+        self._spawn(argv, cwd=self._tmp)
+
+        def pings() -> bool:
+            # Check the PID so we never mistake another server on the port for ours.
+            try:
+                with self.client() as r:
+                    info = r.info("server")
+            except redis.ConnectionError:
+                return False
+            return bool(info.get("process_id") == self.pid)
+
+        self._wait_ready(pings, self.start_timeout)
+
+    def stop(self, keep_dir: bool = False) -> None:
+        """SIGTERM, SIGKILL after 15 s; removes the temp dir unless ``keep_dir``."""
+        self._shutdown(signal.SIGTERM, 15)
+        if not keep_dir:
+            procs.remove_tree(self._tmp)
+            self._tmp = None
+
+    def restart(self) -> None:
+        """Stop and start on the same port; data is lost (no persistence), clients reconnect."""
+        self.stop(keep_dir=True)
+        self.start()
+
+    def flushall(self) -> None:
+        with self.client() as r:
+            r.flushall()

@@ -1,0 +1,154 @@
+"""Tests of the rig itself, against real PostgreSQL, Redis and celery worker processes."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from . import procs
+from .servers import PostgresServer, RedisServer
+from .workers import WorkerProcess
+
+RIG_DIR = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leaks() -> Iterator[None]:
+    """Set up first, torn down last: everything this module started must have been stopped.
+
+    Session-wide servers from a conftest were registered before and are left alone.
+    """
+    before = {id(obj) for obj in procs.registered()}
+    yield
+    leaked = [obj for obj in procs.registered() if id(obj) not in before]
+    for obj in leaked:
+        obj.emergency_kill()
+        procs.unregister(obj)
+    assert not leaked, f"the rig left processes running: {leaked}"
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PostgresServer]:
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def sample_app(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The client side of sample_app, imported fresh so it reads this server's URL."""
+    monkeypatch.setenv("RIG_BROKER_URL", redis_server.url)
+    name = f"{__package__}.sample_app"
+    sys.modules.pop(name, None)
+    module = importlib.import_module(name)
+    yield module
+    module.app.close()
+    sys.modules.pop(name, None)
+
+
+def test_postgres_select_and_table(pg: PostgresServer) -> None:
+    engine = sa.create_engine(pg.url)
+    try:
+        with engine.begin() as conn:
+            assert conn.execute(sa.text("select 1")).scalar() == 1
+            conn.execute(sa.text("create table t (id int primary key, v text)"))
+            conn.execute(sa.text("insert into t values (1, 'x')"))
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("select v from t where id = 1")).scalar() == "x"
+    finally:
+        engine.dispose()
+
+
+def test_postgres_create_database_and_restart(pg: PostgresServer) -> None:
+    url = pg.create_database("fresh_db")
+    assert url.endswith(f":{pg.port}/fresh_db")
+    port, old_pid = pg.port, pg.pid
+    pg.restart()
+    assert (pg.port, procs.pid_alive(old_pid)) == (port, False)
+    with psycopg.connect(pg.dsn_for("fresh_db")) as conn:
+        assert conn.execute("select current_database()").fetchone() == ("fresh_db",)
+
+
+def test_postgres_freeze_thaw(pg: PostgresServer) -> None:
+    members = [pg.pid, *procs.descendants(pg.pid)]
+    assert len(members) > 1  # postmaster plus checkpointer, walwriter, ...
+    pg.freeze()
+    try:
+        # A backend that was just exiting may turn into a zombie or vanish instead.
+        procs.wait_until(
+            lambda: {procs.process_state(p) for p in members} <= {"T", "Z", None}, 5, "frozen"
+        )
+    finally:
+        pg.thaw()
+    with psycopg.connect(pg.dsn_for(), connect_timeout=5) as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+
+
+def test_redis_set_get_and_restart(redis_server: RedisServer) -> None:
+    with redis_server.client() as r:
+        r.set("k", "v")
+        assert r.get("k") == b"v"
+    port = redis_server.port
+    redis_server.restart()
+    assert redis_server.port == port
+    with redis_server.client() as r:
+        assert r.ping()
+        assert r.get("k") is None  # no persistence
+        r.set("k2", "v2")
+    redis_server.flushall()
+    with redis_server.client() as r:
+        assert r.dbsize() == 0
+
+
+def test_server_start_failure_reports_log(redis_server: RedisServer) -> None:
+    clash = RedisServer(port=redis_server.port)
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code.*log tail.*in use"):
+        clash.start()
+
+
+def test_worker_runs_task_then_kill(redis_server: RedisServer, sample_app: ModuleType) -> None:
+    worker = WorkerProcess(
+        app="sample_app", cwd=RIG_DIR, env={"RIG_BROKER_URL": redis_server.url}, concurrency=2
+    )
+    try:
+        worker.start(timeout=60)
+        assert sample_app.add.delay(2, 3).get(timeout=30) == 5
+        children = worker.child_pids()
+        assert len(children) == 2
+        worker.kill()
+        pids = [worker.pid, *children]
+        procs.wait_until(lambda: not any(map(procs.pid_alive, pids)), 10, "worker tree to die")
+    finally:
+        worker.cleanup()
+
+
+def test_worker_freeze_kill_child_and_stop(redis_server: RedisServer) -> None:
+    with WorkerProcess(
+        app="sample_app", cwd=RIG_DIR, env={"RIG_BROKER_URL": redis_server.url}
+    ) as worker:
+        tree = [worker.pid, *worker.child_pids()]
+        worker.freeze()
+        procs.wait_until(lambda: all(procs.process_state(p) == "T" for p in tree), 5, "frozen")
+        worker.thaw()
+        procs.wait_until(lambda: "T" not in map(procs.process_state, tree), 5, "thawed")
+        victim = tree[1]
+        worker.kill_child(victim)
+        procs.wait_until(
+            lambda: len(set(worker.child_pids()) - {victim}) == 2, 20, "pool child replaced"
+        )
+        tree = [worker.pid, *worker.child_pids()]
+    assert worker.returncode == 0  # warm shutdown
+    assert not any(map(procs.pid_alive, tree))
+    assert "worker.log" in str(worker.log_path) and "ready." in worker.log_text()
