@@ -24,7 +24,17 @@ from psycopg import sql
 from . import procs
 from .ports import free_port
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+def _pg_bin() -> Path:
+    """The newest installed PostgreSQL's bin directory (Debian installs one per major version)."""
+    found = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda path: int(path.parent.parent.name) if path.parent.parent.name.isdigit() else 0,
+    )
+    return found[-1].parent if found else Path("/usr/lib/postgresql/15/bin")
+
+
+PG_BIN = _pg_bin()
 REDIS_SERVER = "/usr/bin/redis-server"
 PG_TEST_DB = "celery_guard_test"
 PG_SERVICE_USER = "celerytest"
