@@ -50,6 +50,8 @@ def shop_env(
 def shop(shop_env: dict[str, str]) -> ModuleType:
     """The shop app as the test process sees it (publishing, reading results and tables)."""
     module = importlib.import_module(SHOP_APP)
+    # The app reads the environment at import; an earlier import would point it elsewhere.
+    assert module.app.conf.broker_url == shop_env["CG_BROKER_URL"], "shop imported too early"
     runtime = celery_guard.get_runtime(module.app)
     runtime.migrate()
     module.metadata.create_all(runtime.store.engine)

@@ -11,10 +11,13 @@ import time
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, insert
+from sqlalchemy import insert
 
 import celery_guard
 from celery_guard import BY_ARGUMENTS
+from tests.apps.shop_tables import effects, metadata
+
+__all__ = ["app", "effects", "metadata"]
 
 app = Celery(
     "shop",
@@ -32,18 +35,6 @@ app.conf.update(
     result_expires=600,
 )
 celery_guard.install(app)
-
-metadata = MetaData()
-#: One row per body execution that committed: what the tests count.
-effects = Table(
-    "effects",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("tag", String(200), nullable=False),
-    Column("idempotency_key", String(255)),
-    Column("fencing_token", BigInteger),
-    Column("pid", Integer),
-)
 
 
 def write_effect(task: Any, tag: str) -> None:

@@ -1,0 +1,17 @@
+"""The shop's own tables, importable without configuring the app (which reads the environment)."""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table
+
+metadata = MetaData()
+#: One row per body execution that committed: what the tests count.
+effects = Table(
+    "effects",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("tag", String(200), nullable=False),
+    Column("idempotency_key", String(255)),
+    Column("fencing_token", BigInteger),
+    Column("pid", Integer),
+)
