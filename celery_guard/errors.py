@@ -35,17 +35,18 @@ class IdempotencyConflict(GuardError):
     """
 
     def __init__(self, key: str, stored_task: str, task: str) -> None:
+        # args are the constructor's arguments: Celery's JSON result backend rebuilds an
+        # exception as ``cls(*args)`` in the caller, so the caller gets this very class.
+        super().__init__(key, stored_task, task)
         self.key = key
         self.stored_task = stored_task
         self.task = task
-        super().__init__(
-            f"idempotency key {key!r} is already used by a call of {stored_task} with a different "
-            f"payload; this call of {task} was not run"
-        )
 
-    def __reduce__(self) -> tuple[object, ...]:
-        # Celery pickles/serializes exceptions into the result backend; keep the arguments.
-        return (type(self), (self.key, self.stored_task, self.task))
+    def __str__(self) -> str:
+        return (
+            f"idempotency key {self.key!r} is already used by a call of {self.stored_task} with "
+            f"a different payload; this call of {self.task} was not run"
+        )
 
 
 class StoreError(GuardError):
@@ -66,15 +67,15 @@ class Fenced(GuardError):
     """
 
     def __init__(self, key: str, token: int) -> None:
+        super().__init__(key, token)
         self.key = key
         self.token = token
-        super().__init__(
-            f"execution of key {key!r} with fencing token {token} was fenced: another owner took "
-            "the key over, nothing of this execution was committed"
-        )
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key, self.token))
+    def __str__(self) -> str:
+        return (
+            f"execution of key {self.key!r} with fencing token {self.token} was fenced: another "
+            "owner took the key over, nothing of this execution was committed"
+        )
 
 
 class InFlightElsewhere(GuardError):
@@ -85,8 +86,8 @@ class InFlightElsewhere(GuardError):
     """
 
     def __init__(self, key: str) -> None:
+        super().__init__(key)
         self.key = key
-        super().__init__(f"idempotency key {key!r} is being run by another execution right now")
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key,))
+    def __str__(self) -> str:
+        return f"idempotency key {self.key!r} is being run by another execution right now"
