@@ -47,15 +47,41 @@ class GuardConfig:
     #: Create the store's tables when a process first uses the store (``CREATE ... IF NOT
     #: EXISTS``). Turn off when the schema is managed by your own Alembic migrations.
     create_tables: bool = True
+    #: Seconds between lease renewals while a body runs; ``None`` means a third of the TTL.
+    lease_renew_interval: float | None = None
+    #: Seconds after which a running body's lease stops being renewed, so a body hung on I/O
+    #: is taken over. ``None``: the task's ``time_limit`` if it has one, else no deadline.
+    hard_deadline: float | None = None
+    #: Progress mode: a body that has not called ``self.guard.progress()`` for this many
+    #: seconds stops being renewed ("heartbeat but no progress"). ``None`` turns it off; per task:
+    #: the ``progress_timeout`` option.
+    progress_timeout: float | None = None
+    #: Seconds between two passes of the reaper (recovery of orphaned keys, pruning).
+    reaper_interval: float = 5.0
+    #: Run the reaper in this worker (one worker at a time holds the reaper's lease).
+    reaper_enabled: bool = True
+    #: Seconds a warm shutdown waits for running bodies before their leases are released.
+    drain_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
         _check_number("guard_lease_ttl", self.lease_ttl, minimum=0.1)
         if self.result_ttl is not None:
             _check_number("guard_result_ttl", self.result_ttl, minimum=0.0)
-        if not isinstance(self.create_tables, bool):
+        for name in ("create_tables", "reaper_enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(
+                    f"guard_{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        for name in ("lease_renew_interval", "hard_deadline", "progress_timeout"):
+            if getattr(self, name) is not None:
+                _check_number(f"guard_{name}", getattr(self, name), minimum=0.01)
+        _check_number("guard_reaper_interval", self.reaper_interval, minimum=0.01)
+        _check_number("guard_drain_timeout", self.drain_timeout, minimum=0.0)
+        if self.lease_renew_interval is not None and self.lease_renew_interval >= self.lease_ttl:
             raise ConfigurationError(
-                f"guard_create_tables must be True or False, got {self.create_tables!r}"
+                f"guard_lease_renew_interval ({self.lease_renew_interval}) must be shorter than "
+                f"guard_lease_ttl ({self.lease_ttl}), or the lease lapses between renewals"
             )
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
@@ -75,6 +101,11 @@ class GuardConfig:
                 raise ConfigurationError(f"unknown celery_guard setting {raw_key!r}{suggestion}")
             values[known[key]] = conf[raw_key]
         return cls(**values)
+
+    @property
+    def renew_interval(self) -> float:
+        """Seconds between renewals: the configured interval or a third of the lease TTL."""
+        return self.lease_renew_interval or self.lease_ttl / 3
 
     def safe_store_url(self) -> str:
         """The store URL with its password hidden, for logs and error messages."""

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 
 from sqlalchemy import Connection, RootTransaction
 
-from celery_guard.errors import GuardError
+from celery_guard.errors import Fenced, GuardError
+from celery_guard.lease.heartbeat import Lease
 from celery_guard.store.sql import SqlStore
 
 
@@ -26,8 +27,10 @@ class Execution:
         fencing_token: int | None,
         attempts: int,
         claim_reason: str | None,
+        lease: Lease | None = None,
     ) -> None:
         self._store = store
+        self._lease = lease
         self._connection: Connection | None = None
         self._transaction: RootTransaction | None = None
         self._finished = False
@@ -45,6 +48,31 @@ class Execution:
     def guarded(self) -> bool:
         """False when the task was called directly as a function: there is no key to protect."""
         return self.key is not None
+
+    def check(self) -> None:
+        """Raise :class:`~celery_guard.Fenced` if this execution lost its lease.
+
+        Call it before an effect outside the store's database: once fenced, another owner may
+        run the key, and :attr:`fencing_token` is no longer the newest.
+        """
+        if self._lease is not None:
+            self._lease.check()
+
+    @property
+    def fenced(self) -> bool:
+        """True once the lease is known lost (taken over, or not renewed past its TTL)."""
+        if self._lease is None:
+            return False
+        try:
+            self._lease.check()
+        except Fenced:
+            return True
+        return False
+
+    def progress(self, info: object = None) -> None:
+        """Report progress; with a ``progress_timeout`` this is what keeps the lease renewed."""
+        if self._lease is not None:
+            self._lease.progress(info)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -71,6 +99,9 @@ class Execution:
         self._finished = True
         connection, transaction = self._connection, self._transaction
         try:
+            # A lease known to be lost refuses the commit even if no one has taken over yet:
+            # the reaper may already be re-publishing the key.
+            self.check()
             if self.key is not None and self.fencing_token is not None:
                 self._store.complete(
                     self.key, self.fencing_token, result, retention, connection=connection

@@ -22,6 +22,7 @@ from celery_guard.errors import (
 )
 from celery_guard.execution import Execution
 from celery_guard.keys import KeySource
+from celery_guard.lease.heartbeat import Heartbeat, Lease
 from celery_guard.store.base import ClaimOutcome, ClaimRequest
 from celery_guard.store.sql import SqlStore
 
@@ -46,6 +47,10 @@ class Delivery:
     owner: str
     #: How many times this message was already deferred (drives the deferral backoff).
     deferrals: int = 0
+    #: Seconds after which the lease stops being renewed (``None``: no deadline).
+    hard_deadline: float | None = None
+    #: Progress mode: seconds without ``self.guard.progress()`` before renewal stops.
+    progress_timeout: float | None = None
 
 
 class DeliveryDeferred(GuardError):
@@ -70,11 +75,13 @@ class GuardHandler:
     def __init__(
         self,
         store: SqlStore,
+        heartbeat: Heartbeat,
         *,
         lease_ttl: float,
         rng: random.Random | None = None,
     ) -> None:
         self.store = store
+        self.heartbeat = heartbeat
         self.lease_ttl = lease_ttl
         self._random = rng or random.Random()
 
@@ -110,12 +117,20 @@ class GuardHandler:
                 f"key {delivery.key!r} is in flight on {record.owner}", countdown
             )
 
+        lease = Lease(
+            delivery.key,
+            record.fencing_token,
+            ttl=self.lease_ttl,
+            hard_deadline=delivery.hard_deadline,
+            progress_timeout=delivery.progress_timeout,
+        )
         execution = Execution(
             self.store,
             key=delivery.key,
             fencing_token=record.fencing_token,
             attempts=record.attempts,
             claim_reason=record.claim_reason,
+            lease=lease,
         )
         logger.debug(
             "celery_guard claimed key=%s token=%s attempts=%s reason=%s",
@@ -124,6 +139,13 @@ class GuardHandler:
             record.attempts,
             record.claim_reason,
         )
+        self.heartbeat.hold(lease)
+        try:
+            return self._run(task, delivery, execution, body)
+        finally:
+            self.heartbeat.drop(lease)
+
+    def _run(self, task: Any, delivery: Delivery, execution: Execution, body: Body) -> Any:
         try:
             value = body(execution)
         except BaseException as exc:
@@ -149,11 +171,18 @@ class GuardHandler:
             # The commit may or may not have landed; either way the next delivery finds out from
             # the store (COMPLETED, or our lease expiring), so deferring loses nothing.
             raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
-        self._emit(task, delivery.key, signals.COMPLETED, execution.fencing_token, record.attempts)
+        self._emit(
+            task, delivery.key, signals.COMPLETED, execution.fencing_token, execution.attempts
+        )
         return value
 
     def _release(self, task: Any, execution: Execution, exc: BaseException) -> None:
         assert execution.key is not None and execution.fencing_token is not None
+        if isinstance(exc, Fenced) or execution.fenced:
+            # Never release a lost lease: the key stays RUNNING until it expires, and the
+            # reaper re-publishes it. A RELEASED key would wait for a delivery that may not come.
+            self._emit(task, execution.key, signals.FENCED, execution.fencing_token)
+            return
         error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
         try:
             self.store.release(execution.key, execution.fencing_token, error)

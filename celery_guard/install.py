@@ -10,6 +10,7 @@ from celery import Celery, signals
 from celery_guard.config import GuardConfig
 from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.handler import GuardHandler
+from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.store.sql import SqlStore
 
 logger = logging.getLogger("celery_guard")
@@ -24,7 +25,8 @@ class GuardRuntime:
         self.app = app
         self.config = config
         self.store = SqlStore(config)
-        self.handler = GuardHandler(self.store, lease_ttl=config.lease_ttl)
+        self.heartbeat = Heartbeat(self.store, interval=config.renew_interval)
+        self.handler = GuardHandler(self.store, self.heartbeat, lease_ttl=config.lease_ttl)
 
     def migrate(self) -> None:
         """Create the store's tables when missing."""
@@ -77,6 +79,7 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
         runtime.store.reset_after_fork()
 
     def on_worker_process_shutdown(**_: Any) -> None:
+        runtime.heartbeat.stop()
         runtime.store.dispose()
 
     # weak=False: these closures are only referenced by the signal.

@@ -10,7 +10,7 @@ from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Reject, Retry
 
-from celery_guard.config import check_ttl_option
+from celery_guard.config import GuardConfig, check_ttl_option
 from celery_guard.errors import ConfigurationError, GuardError, InFlightElsewhere, StoreError
 from celery_guard.execution import Execution
 from celery_guard.handler import Delivery, DeliveryDeferred
@@ -42,7 +42,7 @@ class _Unset:
 _UNSET: Any = _Unset()
 
 #: Per-task options GuardedTask understands (``@app.task(base=GuardedTask, <option>=...)``).
-TASK_OPTIONS = frozenset({"idempotency_key", "idempotency_ttl"})
+TASK_OPTIONS = frozenset({"idempotency_key", "idempotency_ttl", "progress_timeout"})
 _OPTION_PREFIXES = ("idempotency_", "guard_")
 
 
@@ -58,6 +58,9 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     ``idempotency_ttl``
         Seconds a COMPLETED key keeps deduplicating; ``None`` until pruned, ``0`` only while in
         flight. Default: ``guard_result_ttl``.
+    ``progress_timeout``
+        Progress mode: the lease stops being renewed when the body has not called
+        ``self.guard.progress()`` for this many seconds. Default: ``guard_progress_timeout``.
     """
 
     #: A killed worker's message must come back: acknowledge only after the body ran, and
@@ -67,6 +70,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
 
     idempotency_key: ClassVar[KeyOption] = None
     idempotency_ttl: ClassVar[Any] = _UNSET
+    progress_timeout: ClassVar[Any] = _UNSET
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -87,8 +91,10 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             # A function stored on a class becomes a method; the key callable takes the task's
             # arguments only.
             cls.idempotency_key = staticmethod(key_option)
-        if "idempotency_ttl" in cls.__dict__ and cls.idempotency_ttl is not _UNSET:
-            check_ttl_option(f"task {name}: idempotency_ttl", cls.idempotency_ttl)
+        for option in ("idempotency_ttl", "progress_timeout"):
+            value = cls.__dict__.get(option, _UNSET)
+            if value is not _UNSET:
+                check_ttl_option(f"task {name}: {option}", value)
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -143,7 +149,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         request = self.request
         if request.called_directly:
             return self._call_directly(runtime.store, args, kwargs)
-        delivery = self._delivery(request, args, kwargs, runtime.config.result_ttl)
+        delivery = self._delivery(request, args, kwargs, runtime.config)
         try:
             return runtime.handler.execute(
                 self, delivery, lambda execution: self._run_body(execution, args, kwargs)
@@ -176,9 +182,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         execution.finish("null", None)
         return value
 
-    def _delivery(
-        self, request: Any, args: Any, kwargs: Any, default_retention: float | None
-    ) -> Delivery:
+    def _delivery(self, request: Any, args: Any, kwargs: Any, config: GuardConfig) -> Delivery:
         headers = request.headers or {}
         key = headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None)
         if key is not None:
@@ -202,6 +206,8 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             # A task-id key never compares payloads; pickled arguments are fine there.
             fingerprint = None
         retention = self.idempotency_ttl
+        progress_timeout = self.progress_timeout
+        hard_limit = (request.timelimit or (None, None))[0] or self.time_limit
         return Delivery(
             task_name=self.name,
             key=key,
@@ -210,7 +216,11 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             message=self._republish_message(request, args, kwargs, key, source)
             if fingerprint is not None
             else None,
-            retention=default_retention if retention is _UNSET else retention,
+            retention=config.result_ttl if retention is _UNSET else retention,
+            hard_deadline=config.hard_deadline or hard_limit or None,
+            progress_timeout=(
+                config.progress_timeout if progress_timeout is _UNSET else progress_timeout
+            ),
             owner=f"{request.hostname or socket.gethostname()}/{os.getpid()}",
             deferrals=int(headers.get(HEADER_DEFERRALS) or 0),
         )

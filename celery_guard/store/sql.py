@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -26,6 +26,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy import exc as sa_exc
@@ -199,6 +200,24 @@ class SqlStore:
             .values(state=RELEASED, lease_expires_at=None, last_error=error, updated_at=now)
         )
         return self._call(lambda: self._execute_single(statement))[1] == 1
+
+    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        """Extend the leases still held by their tokens, in one statement; return those keys."""
+        pairs = list(leases)
+        if not pairs:
+            return set()
+        now = db_epoch_now()
+        statement = (
+            update(keys)
+            .where(
+                tuple_(keys.c.key, keys.c.fencing_token).in_(pairs),
+                keys.c.state == RUNNING,
+            )
+            .values(lease_expires_at=now + ttl)
+            .returning(keys.c.key)
+        )
+        rows = self._call(lambda: self._execute_single(statement))[0]
+        return {row["key"] for row in rows}
 
     def get(self, key: str) -> KeyRecord | None:
         """The key's row, or ``None``."""

@@ -1,0 +1,178 @@
+"""Keeping a running execution's lease alive, and noticing when it is lost.
+
+One heartbeat thread per process renews the leases of every execution running in that process,
+all in one store call per interval. It is started lazily by the first execution after fork, so a
+prefork parent never owns a thread its children would inherit half-dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from celery_guard.errors import Fenced, StoreError
+
+logger = logging.getLogger("celery_guard.lease")
+
+Clock = Callable[[], float]
+
+
+class LeaseBackend(Protocol):
+    """Where leases are renewed: the SQL store by default, or Redis."""
+
+    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        """Extend each (key, token) lease still held by that token; return the renewed keys."""
+        ...
+
+
+class Lease:
+    """The lease one execution holds, as this process sees it (monotonic clock)."""
+
+    def __init__(
+        self,
+        key: str,
+        token: int,
+        *,
+        ttl: float,
+        hard_deadline: float | None,
+        progress_timeout: float | None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        now = clock()
+        self.key = key
+        self.token = token
+        self.ttl = ttl
+        self._clock = clock
+        #: Until when the lease is surely ours: measured from *before* the last successful
+        #: renewal was sent, so network delay only ever shortens it.
+        self.valid_until = now + ttl
+        self.deadline = None if hard_deadline is None else now + hard_deadline
+        self.progress_timeout = progress_timeout
+        self.last_progress = now
+        self.progress_info: object = None
+        self.fenced_reason: str | None = None
+        self.renewing = True
+
+    def progress(self, info: object = None) -> None:
+        """The body reports it is moving; in progress mode this keeps the lease renewed."""
+        self.last_progress = self._clock()
+        self.progress_info = info
+
+    def should_renew(self, now: float) -> bool:
+        """False once the hard deadline or the progress timeout has passed (never again True)."""
+        if not self.renewing or self.fenced_reason is not None:
+            return False
+        if self.deadline is not None and now >= self.deadline:
+            self._stop_renewing("hard deadline passed")
+        elif self.progress_timeout is not None and now - self.last_progress > self.progress_timeout:
+            self._stop_renewing(f"no progress for {now - self.last_progress:.1f}s")
+        return self.renewing
+
+    def fence(self, reason: str) -> None:
+        if self.fenced_reason is None:
+            self.fenced_reason = reason
+            logger.warning(
+                "celery_guard lease lost key=%s token=%s state PROCESSING -> FENCED: %s",
+                self.key,
+                self.token,
+                reason,
+            )
+
+    def check(self) -> None:
+        """Raise :class:`Fenced` if this execution may no longer commit."""
+        if self.fenced_reason is None and self._clock() > self.valid_until:
+            self.fence("lease expired without renewal")
+        if self.fenced_reason is not None:
+            raise Fenced(self.key, self.token)
+
+    def _stop_renewing(self, reason: str) -> None:
+        self.renewing = False
+        logger.warning(
+            "celery_guard stops renewing key=%s token=%s (%s); the lease expires in %.1fs",
+            self.key,
+            self.token,
+            reason,
+            max(0.0, self.valid_until - self._clock()),
+        )
+
+
+class Heartbeat:
+    """Renews the leases of the executions running in this process every ``interval`` seconds."""
+
+    def __init__(
+        self,
+        backend: LeaseBackend,
+        *,
+        interval: float,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.interval = interval
+        self._clock = clock
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._thread_pid: int | None = None
+
+    def hold(self, lease: Lease) -> None:
+        """Start renewing ``lease`` (starts this process's thread on first use)."""
+        with self._lock:
+            self._leases[id(lease)] = lease
+            self._ensure_thread()
+
+    def drop(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (the execution finished, one way or another)."""
+        with self._lock:
+            self._leases.pop(id(lease), None)
+
+    def held(self) -> list[Lease]:
+        with self._lock:
+            return list(self._leases.values())
+
+    def beat(self) -> None:
+        """One renewal round: renew what is due, fence what was lost."""
+        started = self._clock()
+        due = [lease for lease in self.held() if lease.should_renew(started)]
+        if not due:
+            return
+        ttl = max(lease.ttl for lease in due)
+        try:
+            renewed = self.backend.renew_leases(((le.key, le.token) for le in due), ttl)
+        except StoreError as exc:
+            for lease in due:
+                if self._clock() > lease.valid_until:
+                    lease.fence(f"store unreachable past the lease ({exc})")
+            logger.warning("celery_guard lease renewal failed for %d keys: %s", len(due), exc)
+            return
+        for lease in due:
+            if lease.key in renewed:
+                lease.valid_until = started + lease.ttl
+            else:
+                lease.fence("taken over: the token no longer owns the key")
+
+    def _ensure_thread(self) -> None:
+        pid = os.getpid()
+        if self._thread is not None and self._thread_pid == pid and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(
+            target=self._run, name="celery_guard-heartbeat", daemon=True
+        )
+        self._thread_pid = pid
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End this process's heartbeat thread (process shutdown)."""
+        self._stopped.set()
+
+    def _run(self) -> None:
+        # Daemon thread: it ends with the process; a killed process's leases simply expire.
+        while not self._stopped.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # keep renewing the others whatever one round hit
+                logger.exception("celery_guard heartbeat round failed")
