@@ -60,8 +60,6 @@ class GuardConfig:
     reaper_interval: float = 5.0
     #: Run the reaper in this worker (one worker at a time holds the reaper's lease).
     reaper_enabled: bool = True
-    #: Seconds a warm shutdown waits for running bodies before their leases are released.
-    drain_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
@@ -77,7 +75,6 @@ class GuardConfig:
             if getattr(self, name) is not None:
                 _check_number(f"guard_{name}", getattr(self, name), minimum=0.01)
         _check_number("guard_reaper_interval", self.reaper_interval, minimum=0.01)
-        _check_number("guard_drain_timeout", self.drain_timeout, minimum=0.0)
         if self.lease_renew_interval is not None and self.lease_renew_interval >= self.lease_ttl:
             raise ConfigurationError(
                 f"guard_lease_renew_interval ({self.lease_renew_interval}) must be shorter than "

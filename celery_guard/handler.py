@@ -24,9 +24,13 @@ from celery_guard.execution import Execution
 from celery_guard.keys import KeySource
 from celery_guard.lease.heartbeat import Heartbeat, Lease
 from celery_guard.store.base import ClaimOutcome, ClaimRequest
+from celery_guard.store.schema import KeyState
 from celery_guard.store.sql import SqlStore
+from celery_guard.worker_state import StateTracker
 
 logger = logging.getLogger("celery_guard")
+
+COMPLETED_STATE = KeyState.COMPLETED.value
 
 #: Longest error text kept on a released key.
 MAX_ERROR_TEXT = 2000
@@ -78,10 +82,12 @@ class GuardHandler:
         heartbeat: Heartbeat,
         *,
         lease_ttl: float,
+        states: StateTracker | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.store = store
         self.heartbeat = heartbeat
+        self.states = states or StateTracker()
         self.lease_ttl = lease_ttl
         self._random = rng or random.Random()
 
@@ -123,6 +129,7 @@ class GuardHandler:
             ttl=self.lease_ttl,
             hard_deadline=delivery.hard_deadline,
             progress_timeout=delivery.progress_timeout,
+            on_fence=lambda lost: self.states.execution_fenced(lost.key, lost.token),
         )
         execution = Execution(
             self.store,
@@ -139,11 +146,15 @@ class GuardHandler:
             record.attempts,
             record.claim_reason,
         )
+        self.states.execution_started(lease.key, lease.token)
         self.heartbeat.hold(lease)
         try:
             return self._run(task, delivery, execution, body)
         finally:
             self.heartbeat.drop(lease)
+            self.states.execution_ended(
+                lease.key, lease.token, fenced=lease.fenced_reason is not None
+            )
 
     def _run(self, task: Any, delivery: Delivery, execution: Execution, body: Body) -> Any:
         try:
@@ -166,7 +177,12 @@ class GuardHandler:
             execution.finish(result, delivery.retention)
         except Fenced:
             self._emit(task, delivery.key, signals.FENCED, execution.fencing_token)
-            raise
+            logger.warning(
+                "celery_guard completion refused (fenced) key=%s token=%s: rolled back",
+                delivery.key,
+                execution.fencing_token,
+            )
+            return self._winner_result(delivery.key, execution.fencing_token)
         except StoreError as exc:
             # The commit may or may not have landed; either way the next delivery finds out from
             # the store (COMPLETED, or our lease expiring), so deferring loses nothing.
@@ -175,6 +191,20 @@ class GuardHandler:
             task, delivery.key, signals.COMPLETED, execution.fencing_token, execution.attempts
         )
         return value
+
+    def _winner_result(self, key: str, token: int | None) -> Any:
+        """After a refused commit: the newer owner's result if it has completed, else Fenced.
+
+        Returning the stored result keeps the result backend truthful: this delivery's task id
+        may be the very one the newer owner completed (a re-published message shares it).
+        """
+        try:
+            record = self.store.get(key)
+        except StoreError:
+            record = None
+        if record is not None and record.state == COMPLETED_STATE and record.result is not None:
+            return serialization.loads(record.result)
+        raise Fenced(key, token if token is not None else -1)
 
     def _release(self, task: Any, execution: Execution, exc: BaseException) -> None:
         assert execution.key is not None and execution.fencing_token is not None

@@ -11,7 +11,10 @@ from celery_guard.config import GuardConfig
 from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.handler import GuardHandler
 from celery_guard.lease.heartbeat import Heartbeat
+from celery_guard.reaper import Reaper
 from celery_guard.store.sql import SqlStore
+from celery_guard.worker import GuardStep
+from celery_guard.worker_state import StateTracker
 
 logger = logging.getLogger("celery_guard")
 
@@ -26,7 +29,12 @@ class GuardRuntime:
         self.config = config
         self.store = SqlStore(config)
         self.heartbeat = Heartbeat(self.store, interval=config.renew_interval)
-        self.handler = GuardHandler(self.store, self.heartbeat, lease_ttl=config.lease_ttl)
+        self.states = StateTracker()
+        self.handler = GuardHandler(
+            self.store, self.heartbeat, lease_ttl=config.lease_ttl, states=self.states
+        )
+        #: The reaper, in a worker's main process once the worker has started.
+        self.reaper: Reaper | None = None
 
     def migrate(self) -> None:
         """Create the store's tables when missing."""
@@ -46,6 +54,7 @@ def install(app: Celery) -> GuardRuntime:
     runtime = GuardRuntime(app, GuardConfig.from_celery_conf(app.conf))
     setattr(app, _RUNTIME_ATTRIBUTE, runtime)
     _connect_worker_signals(app, runtime)
+    app.steps["worker"].add(GuardStep)
     return runtime
 
 

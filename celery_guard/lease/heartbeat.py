@@ -41,8 +41,10 @@ class Lease:
         hard_deadline: float | None,
         progress_timeout: float | None,
         clock: Clock = time.monotonic,
+        on_fence: Callable[[Lease], None] | None = None,
     ) -> None:
         now = clock()
+        self._on_fence = on_fence
         self.key = key
         self.token = token
         self.ttl = ttl
@@ -76,11 +78,10 @@ class Lease:
         if self.fenced_reason is None:
             self.fenced_reason = reason
             logger.warning(
-                "celery_guard lease lost key=%s token=%s state PROCESSING -> FENCED: %s",
-                self.key,
-                self.token,
-                reason,
+                "celery_guard lease lost key=%s token=%s: %s", self.key, self.token, reason
             )
+            if self._on_fence is not None:
+                self._on_fence(self)
 
     def check(self) -> None:
         """Raise :class:`Fenced` if this execution may no longer commit."""

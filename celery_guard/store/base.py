@@ -59,6 +59,7 @@ class KeyRecord:
     updated_at: float
     completed_at: float | None
     expires_at: float | None
+    republished_at: float | None
 
     @classmethod
     def from_mapping(cls, row: Any) -> KeyRecord:

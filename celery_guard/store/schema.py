@@ -75,8 +75,21 @@ keys = Table(
     Column("completed_at", Double, nullable=True),
     # When a COMPLETED key stops deduplicating; NULL keeps it until pruned by hand.
     Column("expires_at", Double, nullable=True),
+    # When the reaper last re-published this orphaned key's message (cleared by a claim).
+    Column("republished_at", Double, nullable=True),
     Index("ix_celery_guard_keys_state_lease", "state", "lease_expires_at"),
     Index("ix_celery_guard_keys_expires_at", "expires_at"),
+)
+
+
+#: Leases that elect one holder across the cluster (the reaper's, for one).
+leaders = Table(
+    "celery_guard_leaders",
+    metadata,
+    Column("name", String(100), primary_key=True),
+    Column("holder", String(255), nullable=False),
+    Column("term", BigInteger, nullable=False),
+    Column("expires_at", Double, nullable=False),
 )
 
 

@@ -22,6 +22,7 @@ from sqlalchemy import (
     and_,
     case,
     create_engine,
+    delete,
     event,
     literal,
     or_,
@@ -37,7 +38,14 @@ from sqlalchemy.sql.elements import ColumnElement
 from celery_guard.config import GuardConfig
 from celery_guard.errors import Fenced, StoreError, StoreUnavailable
 from celery_guard.store.base import ClaimOutcome, ClaimRequest, ClaimResult, KeyRecord
-from celery_guard.store.schema import ClaimReason, KeyState, db_epoch_now, keys, metadata
+from celery_guard.store.schema import (
+    ClaimReason,
+    KeyState,
+    db_epoch_now,
+    keys,
+    leaders,
+    metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +227,97 @@ class SqlStore:
         rows = self._call(lambda: self._execute_single(statement))[0]
         return {row["key"] for row in rows}
 
+    # -- the reaper's primitives ----------------------------------------------------------------
+
+    def acquire_leadership(self, name: str, holder: str, ttl: float) -> bool:
+        """Take or keep the named lease for ``holder``; True while ``holder`` has it."""
+        now = db_epoch_now()
+        insert = self._upsert(leaders).values(
+            name=name, holder=holder, term=1, expires_at=now + ttl
+        )
+        new = insert.excluded
+        free = or_(leaders.c.expires_at <= now, leaders.c.holder == new.holder)
+        statement = insert.on_conflict_do_update(
+            index_elements=[leaders.c.name],
+            set_={
+                "holder": case((free, new.holder), else_=leaders.c.holder),
+                "term": case(
+                    (leaders.c.holder == new.holder, leaders.c.term),
+                    (free, leaders.c.term + 1),
+                    else_=leaders.c.term,
+                ),
+                "expires_at": case((free, new.expires_at), else_=leaders.c.expires_at),
+            },
+        ).returning(leaders.c.holder)
+        row = _only_row(self._call(lambda: self._execute_single(statement))[0])
+        return bool(row["holder"] == holder)
+
+    def resign_leadership(self, name: str, holder: str) -> None:
+        """Give the named lease up at once (clean shutdown), if ``holder`` has it."""
+        statement = (
+            update(leaders)
+            .where(leaders.c.name == name, leaders.c.holder == holder)
+            .values(expires_at=db_epoch_now())
+        )
+        self._call(lambda: self._execute_single(statement))
+
+    def orphans(self, republish_after: float, limit: int) -> list[KeyRecord]:
+        """RUNNING keys whose lease expired, not re-published in the last ``republish_after`` s."""
+        now = db_epoch_now()
+        statement = (
+            select(keys)
+            .where(
+                keys.c.state == RUNNING,
+                keys.c.lease_expires_at <= now,
+                or_(
+                    keys.c.republished_at.is_(None),
+                    keys.c.republished_at <= now - republish_after,
+                ),
+            )
+            .order_by(keys.c.lease_expires_at)
+            .limit(limit)
+        )
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return [KeyRecord.from_mapping(row) for row in rows]
+
+    def mark_republished(self, key: str, token: int, republish_after: float) -> bool:
+        """Record a re-publish; False when someone claimed or re-published the key meanwhile."""
+        now = db_epoch_now()
+        statement = (
+            update(keys)
+            .where(
+                keys.c.key == key,
+                keys.c.fencing_token == token,
+                keys.c.state == RUNNING,
+                keys.c.lease_expires_at <= now,
+                or_(
+                    keys.c.republished_at.is_(None),
+                    keys.c.republished_at <= now - republish_after,
+                ),
+            )
+            .values(republished_at=now)
+        )
+        return self._call(lambda: self._execute_single(statement))[1] == 1
+
+    def prune_completed(self, limit: int) -> int:
+        """Delete up to ``limit`` COMPLETED keys whose retention ended; return how many."""
+        now = db_epoch_now()
+        expired = (
+            select(keys.c.key)
+            .where(keys.c.state == COMPLETED, keys.c.expires_at <= now)
+            .limit(limit)
+            .scalar_subquery()
+        )
+        statement = delete(keys).where(keys.c.key.in_(expired))
+        return self._call(lambda: self._execute_single(statement))[1]
+
+    def now(self) -> float:
+        """The database's clock, in epoch seconds."""
+        rows = self._call(
+            lambda: self._execute_single(select(db_epoch_now().label("now")), read_only=True)
+        )[0]
+        return float(_only_row(rows)["now"])
+
     def get(self, key: str) -> KeyRecord | None:
         """The key's row, or ``None``."""
         statement = select(keys).where(keys.c.key == key)
@@ -241,8 +340,7 @@ class SqlStore:
 
     def _claim_statement(self, request: ClaimRequest, claim_id: str) -> Any:
         now = db_epoch_now()
-        insert = (postgresql.insert if self.dialect_name == "postgresql" else sqlite.insert)(keys)
-        statement = insert.values(
+        statement = self._upsert(keys).values(
             key=request.key,
             task_name=request.task_name,
             state=RUNNING,
@@ -261,6 +359,7 @@ class SqlStore:
             updated_at=now,
             completed_at=None,
             expires_at=None,
+            republished_at=None,
         )
         new = statement.excluded
         if request.check_fingerprint:
@@ -312,11 +411,16 @@ class SqlStore:
                 "updated_at": when_claimed(new.updated_at, keys.c.updated_at),
                 "created_at": case((result_expired, new.created_at), else_=keys.c.created_at),
                 "duplicates": case((replay, keys.c.duplicates + 1), else_=keys.c.duplicates),
+                "republished_at": when_claimed(None, keys.c.republished_at),
             },
         )
         return statement.returning(
             *keys.c, (keys.c.lease_expires_at - now).label("lease_remaining")
         )
+
+    def _upsert(self, table: Any) -> Any:
+        """The dialect's INSERT with ON CONFLICT support."""
+        return (postgresql.insert if self.dialect_name == "postgresql" else sqlite.insert)(table)
 
     def _execute_single(
         self, statement: Any, read_only: bool = False

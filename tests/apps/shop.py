@@ -7,6 +7,7 @@ Configuration comes from the environment so the test process and its workers agr
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -30,6 +31,17 @@ app.conf.update(
     guard_store_url=os.environ.get("CG_STORE_URL", "sqlite:///shop.sqlite3"),
     guard_store_timeout=float(os.environ.get("CG_STORE_TIMEOUT", "2")),
     guard_lease_ttl=float(os.environ.get("CG_LEASE_TTL", "10")),
+    guard_reaper_interval=float(os.environ.get("CG_REAPER_INTERVAL", "5")),
+    guard_hard_deadline=float(os.environ["CG_HARD_DEADLINE"])
+    if os.environ.get("CG_HARD_DEADLINE")
+    else None,
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("CG_VISIBILITY_TIMEOUT", "3600")),
+        # Sweep for unacknowledged messages every second, so a short visibility timeout set by
+        # a test is honoured promptly (kombu's default sweeps about every 100 s).
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
     result_expires=600,
@@ -105,6 +117,26 @@ def fail_once_by_tag(self: Any, tag: str) -> str:
     if os.path.exists(os.path.join(os.environ.get("CG_MARKER_DIR", "/nonexistent"), tag)):
         raise RuntimeError("marker present: failing after the write")
     return tag
+
+
+@app.task(name="shop.long_write", bind=True, idempotency_key="long:{tag}")
+def long_write(self: Any, tag: str, seconds: float) -> dict[str, Any]:
+    """Works for ``seconds``, then writes its effect: a task a worker can die in the middle of."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    write_effect(self, tag)
+    return {"tag": tag, "pid": os.getpid(), "fencing_token": self.guard.fencing_token}
+
+
+@app.task(name="shop.hang_first_attempt", bind=True, idempotency_key="hang:{tag}")
+def hang_first_attempt(self: Any, tag: str) -> int:
+    """The first execution blocks forever on a socket read with no timeout (seed 001)."""
+    if self.guard.attempts == 1:
+        reader, _writer = socket.socketpair()
+        reader.recv(1)  # nothing is ever written: blocks until the process dies
+    write_effect(self, tag)
+    return int(self.guard.attempts)
 
 
 @app.task(name="shop.add")

@@ -1,0 +1,164 @@
+"""The reaper: re-publishes the messages of keys whose owner died, and prunes old results.
+
+Every worker runs one in its main process; a lease in the store lets only one of them act at a
+time. A whole worker SIGKILLed on a Redis broker leaves its unacknowledged message invisible until
+the visibility timeout (an hour by default); the reaper brings the work back within about one
+lease TTL. When the original message returns later, its claim finds the key COMPLETED and nothing
+runs twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_guard import serialization
+from celery_guard.errors import StoreError
+from celery_guard.store.base import KeyRecord
+from celery_guard.store.sql import SqlStore
+
+logger = logging.getLogger("celery_guard.reaper")
+
+LEADER_NAME = "reaper"
+#: Orphans handled per pass; the next pass takes the rest.
+BATCH = 200
+
+
+@dataclass
+class ReaperReport:
+    """What one pass did."""
+
+    leader: bool = False
+    #: Orphaned keys whose message was re-published.
+    recovered: list[str] = field(default_factory=list)
+    #: Seconds each recovered key had been orphaned (lease expiry to re-publish).
+    orphaned_for: list[float] = field(default_factory=list)
+    #: Orphaned keys with no stored message (arguments not JSON): left to broker redelivery.
+    unrecoverable: list[str] = field(default_factory=list)
+    pruned: int = 0
+
+
+class Reaper:
+    """One pass at a time: elect, recover orphans, prune expired results."""
+
+    def __init__(
+        self,
+        app: Any,
+        store: SqlStore,
+        *,
+        interval: float,
+        lease_ttl: float,
+        holder: str | None = None,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.interval = interval
+        self.lease_ttl = lease_ttl
+        self.holder = holder or f"{socket.gethostname()}/{os.getpid()}"
+        #: A re-published message that was never claimed (lost, or stuck behind a long backlog)
+        #: is published again after this long; a claim clears the mark, so a key orphaned a
+        #: second time is recovered at once.
+        self.republish_after = max(6 * lease_ttl, 60.0)
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_once(self) -> ReaperReport:
+        """One pass; store failures are logged and retried at the next pass."""
+        report = ReaperReport()
+        try:
+            # The election lease outlives a few missed passes but not a dead holder for long.
+            report.leader = self.store.acquire_leadership(
+                LEADER_NAME, self.holder, ttl=max(3 * self.interval, self.lease_ttl)
+            )
+            if not report.leader:
+                return report
+            now = self.store.now()
+            for record in self.store.orphans(republish_after=self.republish_after, limit=BATCH):
+                self._recover(record, now, report)
+            report.pruned = self.store.prune_completed(limit=1000)
+        except StoreError as exc:
+            logger.warning("celery_guard reaper pass failed: %s", exc)
+        if report.recovered or report.unrecoverable or report.pruned:
+            logger.info(
+                "celery_guard reaper: recovered=%d unrecoverable=%d pruned=%d",
+                len(report.recovered),
+                len(report.unrecoverable),
+                report.pruned,
+            )
+        return report
+
+    def _recover(self, record: KeyRecord, now: float, report: ReaperReport) -> None:
+        if record.message is None:
+            if record.republished_at is None:
+                report.unrecoverable.append(record.key)
+                logger.warning(
+                    "celery_guard orphaned key=%s token=%s has no stored message (arguments "
+                    "are not JSON); it waits for the broker to redeliver",
+                    record.key,
+                    record.fencing_token,
+                )
+                self.store.mark_republished(record.key, record.fencing_token, self.republish_after)
+            return
+        # Mark first: if two reapers ever overlap, only the one whose mark landed publishes.
+        if not self.store.mark_republished(record.key, record.fencing_token, self.republish_after):
+            return
+        self._publish(serialization.loads(record.message))
+        orphaned_for = max(0.0, now - (record.lease_expires_at or now))
+        report.recovered.append(record.key)
+        report.orphaned_for.append(orphaned_for)
+        logger.info(
+            "celery_guard reaper re-published key=%s token=%s owner=%s orphaned_for=%.1fs",
+            record.key,
+            record.fencing_token,
+            record.owner,
+            orphaned_for,
+        )
+
+    def _publish(self, message: dict[str, Any]) -> None:
+        options: dict[str, Any] = {"headers": message.get("headers") or {}}
+        exchange, routing_key = message.get("exchange"), message.get("routing_key")
+        if not exchange and routing_key:
+            # Sent to the default exchange: the routing key is the queue (as Celery's retry does).
+            options["queue"] = routing_key
+        elif exchange:
+            options["exchange"] = exchange
+            options["routing_key"] = routing_key
+        if message.get("priority") is not None:
+            options["priority"] = message["priority"]
+        self.app.send_task(
+            message["task"],
+            args=message.get("args") or [],
+            kwargs=message.get("kwargs") or {},
+            task_id=message.get("id"),
+            **options,
+        )
+
+    # -- running in a worker's main process ---------------------------------------------------
+
+    def start(self) -> None:
+        """Run passes every ``interval`` seconds in a daemon thread until :meth:`stop`."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="celery_guard-reaper", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        try:
+            self.store.resign_leadership(LEADER_NAME, self.holder)
+        except StoreError as exc:
+            logger.info("celery_guard reaper could not resign: %s", exc)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            try:
+                self.run_once()
+            except Exception:  # a bad pass must not end recovery for the worker's lifetime
+                logger.exception("celery_guard reaper pass crashed")

@@ -1,0 +1,77 @@
+"""Worker states (design.md, "Self-healing"): READY, PROCESSING, DRAINING, FENCED, STOPPED.
+
+Each process keeps its own: a prefork child is PROCESSING while a guarded body runs in it and
+FENCED while one of its bodies has lost its lease; the main process goes READY, DRAINING on warm
+shutdown, then STOPPED. Every transition is logged with what caused it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+
+logger = logging.getLogger("celery_guard.worker")
+
+
+class WorkerState(str, enum.Enum):
+    READY = "READY"
+    PROCESSING = "PROCESSING"
+    DRAINING = "DRAINING"
+    FENCED = "FENCED"
+    STOPPED = "STOPPED"
+
+
+class StateTracker:
+    """This process's state, with running/fenced execution counts behind PROCESSING/FENCED."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = WorkerState.READY
+        self._running = 0
+        self._fenced = 0
+        self._lifecycle: WorkerState | None = None  # DRAINING or STOPPED, when set
+
+    def execution_started(self, key: str, token: int) -> None:
+        with self._lock:
+            self._running += 1
+            self._settle(key=key, token=token)
+
+    def execution_fenced(self, key: str, token: int) -> None:
+        with self._lock:
+            self._fenced += 1
+            self._settle(key=key, token=token)
+
+    def execution_ended(self, key: str, token: int, fenced: bool) -> None:
+        with self._lock:
+            self._running = max(0, self._running - 1)
+            if fenced:
+                self._fenced = max(0, self._fenced - 1)
+            self._settle(key=key, token=token)
+
+    def set_lifecycle(self, state: WorkerState, reason: str) -> None:
+        with self._lock:
+            self._lifecycle = state
+            self._settle(reason=reason)
+
+    def set_lifecycle_ready(self) -> None:
+        """The worker started: per-execution states decide from now on."""
+        with self._lock:
+            self._lifecycle = None
+            self._settle(reason="worker started")
+
+    def _settle(self, **context: object) -> None:
+        if self._lifecycle is not None:
+            new = self._lifecycle
+        elif self._fenced:
+            new = WorkerState.FENCED
+        elif self._running:
+            new = WorkerState.PROCESSING
+        else:
+            new = WorkerState.READY
+        if new is not self.state:
+            details = " ".join(f"{name}={value}" for name, value in context.items())
+            logger.info(
+                "celery_guard worker state %s -> %s %s", self.state.value, new.value, details
+            )
+            self.state = new

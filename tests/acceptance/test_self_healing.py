@@ -1,0 +1,218 @@
+"""Killed, frozen and hung workers are non-events: real workers, Redis broker, PostgreSQL store.
+
+Each test has its own queue and its own store database, so no other worker's reaper or
+consumer takes part, and short TTLs set for the test keep it fast.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from celery import Celery
+from sqlalchemy import create_engine, func, select
+
+from celery_guard import GuardConfig
+from celery_guard.store import metadata as guard_metadata
+from celery_guard.store.sql import SqlStore
+from tests.acceptance.conftest import start_workers
+from tests.apps import shop_tables
+from tests.rig.procs import pid_alive, wait_until
+from tests.rig.servers import PostgresServer, RedisServer
+from tests.rig.workers import WorkerProcess
+
+pytestmark = pytest.mark.workers
+
+LEASE_TTL = 2.0
+REAPER_INTERVAL = 0.5
+
+
+@dataclass
+class Cluster:
+    """A test's own queue, store and client; workers are started by the test."""
+
+    env: dict[str, str]
+    queue: str
+    client: Celery
+    store: SqlStore
+    workers: list[WorkerProcess]
+
+    def start(self, count: int = 1, **overrides: str) -> list[WorkerProcess]:
+        started = start_workers(count, {**self.env, **overrides}, queues=self.queue, concurrency=1)
+        self.workers.extend(started)
+        return started
+
+    def send(self, name: str, *args: object, **options: object):  # type: ignore[no-untyped-def]
+        return self.client.send_task(name, args=args, queue=self.queue, **options)
+
+    def effects(self, tag: str) -> int:
+        with self.store.engine.connect() as connection:
+            return int(
+                connection.execute(
+                    select(func.count())
+                    .select_from(shop_tables.effects)
+                    .where(shop_tables.effects.c.tag == tag)
+                ).scalar_one()
+            )
+
+
+@pytest.fixture
+def cluster(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Cluster]:
+    store_url = postgres.create_database(f"heal_{uuid.uuid4().hex[:8]}")
+    engine = create_engine(store_url)
+    guard_metadata.create_all(engine)
+    shop_tables.metadata.create_all(engine)
+    engine.dispose()
+    env = {
+        "CG_BROKER_URL": redis_server.url_for(3),
+        "CG_RESULT_URL": redis_server.url_for(4),
+        "CG_STORE_URL": store_url,
+        "CG_LEASE_TTL": str(LEASE_TTL),
+        "CG_REAPER_INTERVAL": str(REAPER_INTERVAL),
+    }
+    client = Celery("heal-client", broker=env["CG_BROKER_URL"], backend=env["CG_RESULT_URL"])
+    store = SqlStore(GuardConfig(store_url=store_url))
+    running = Cluster(env, f"heal-{uuid.uuid4().hex[:8]}", client, store, [])
+    try:
+        yield running
+    finally:
+        for worker in running.workers:
+            worker.kill()
+        store.dispose()
+        client.close()
+
+
+class _Never:
+    duplicates = -1
+
+
+_never = _Never()
+
+
+def wait_running(cluster: Cluster, key: str, timeout: float = 30) -> str:
+    """Wait until some worker runs ``key``; return its owner (``hostname/pid``)."""
+    owners: list[str] = []
+
+    def running() -> bool:
+        record = cluster.store.get(key)
+        if record is not None and record.state == "RUNNING" and record.owner:
+            owners.append(record.owner)
+            return True
+        return False
+
+    wait_until(running, timeout, f"{key} to be running")
+    return owners[-1]
+
+
+def worker_of(cluster: Cluster, owner: str) -> WorkerProcess:
+    pid = int(owner.rsplit("/", 1)[1])
+    for worker in cluster.workers:
+        if pid == worker.pid or pid in worker.child_pids():
+            return worker
+    raise AssertionError(f"no worker runs pid {pid}")
+
+
+def test_a_whole_worker_sigkilled_mid_task_is_recovered_by_the_reaper(cluster: Cluster) -> None:
+    cluster.start(2, CG_VISIBILITY_TIMEOUT="30")
+    tag = uuid.uuid4().hex[:12]
+    seconds = 20.0
+    result = cluster.send("shop.long_write", tag, seconds)
+    victim = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    victim.kill()
+    killed_at = time.monotonic()
+    value = result.get(timeout=LEASE_TTL + REAPER_INTERVAL + 5 + seconds + 30)
+    recovered_in = time.monotonic() - killed_at
+    assert recovered_in <= LEASE_TTL + REAPER_INTERVAL + 5 + seconds
+    assert cluster.effects(tag) == 1
+    record = cluster.store.get(f"long:{tag}")
+    assert record is not None
+    assert (record.state, record.claim_reason, record.fencing_token) == ("COMPLETED", "TAKEOVER", 2)
+    assert value["fencing_token"] == 2
+    # The killed worker's message comes back after the (test's short) visibility timeout; its
+    # claim finds the key COMPLETED and runs nothing.
+    wait_until(
+        lambda: (cluster.store.get(f"long:{tag}") or _never).duplicates >= 1,
+        timeout=90,
+        what="the original message's redelivery",
+    )
+    assert cluster.effects(tag) == 1
+
+
+def test_a_prefork_child_sigkilled_mid_task_runs_once(cluster: Cluster) -> None:
+    (worker,) = cluster.start(1)
+    tag = uuid.uuid4().hex[:12]
+    result = cluster.send("shop.long_write", tag, 3.0)
+    owner = wait_running(cluster, f"long:{tag}")
+    child = int(owner.rsplit("/", 1)[1])
+    assert child in worker.child_pids()
+    worker.kill_child(child)
+    wait_until(lambda: not pid_alive(child), 10, "the child to die")
+    value = result.get(timeout=60)
+    assert value["pid"] != child
+    assert cluster.effects(tag) == 1
+    record = cluster.store.get(f"long:{tag}")
+    assert record is not None and record.state == "COMPLETED" and record.attempts == 2
+
+
+def test_a_frozen_worker_is_taken_over_and_its_late_commit_is_refused(cluster: Cluster) -> None:
+    cluster.start(2)
+    tag = uuid.uuid4().hex[:12]
+    result = cluster.send("shop.long_write", tag, 4.0)
+    zombie = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    zombie.freeze()
+    try:
+        value = result.get(timeout=60)
+        assert value["fencing_token"] == 2, "completed by the worker that took over"
+        assert cluster.effects(tag) == 1
+    finally:
+        zombie.thaw()
+    wait_until(
+        lambda: "completion refused (fenced)" in zombie.log_text(),
+        timeout=30,
+        what="the zombie's commit to be refused",
+    )
+    assert cluster.effects(tag) == 1
+    record = cluster.store.get(f"long:{tag}")
+    assert record is not None and record.fencing_token == 2 and record.state == "COMPLETED"
+
+
+def test_a_body_hung_on_a_socket_loses_its_lease_after_the_hard_deadline(
+    cluster: Cluster,
+) -> None:
+    cluster.start(2, CG_HARD_DEADLINE="2")
+    tag = uuid.uuid4().hex[:12]
+    result = cluster.send("shop.hang_first_attempt", tag)
+    assert result.get(timeout=60) == 2, "the second execution took the key over"
+    assert cluster.effects(tag) == 1
+    record = cluster.store.get(f"hang:{tag}")
+    assert record is not None and record.claim_reason == "TAKEOVER"
+
+
+def test_a_warm_shutdown_mid_task_finishes_the_task_once(cluster: Cluster) -> None:
+    (worker,) = cluster.start(1)
+    tag = uuid.uuid4().hex[:12]
+    result = cluster.send("shop.long_write", tag, 3.0)
+    wait_running(cluster, f"long:{tag}")
+    exit_code = worker.stop(timeout=30)
+    assert exit_code == 0
+    assert "DRAINING" in worker.log_text()
+    assert result.get(timeout=10)["fencing_token"] == 1
+    assert cluster.effects(tag) == 1
+
+
+def test_a_countdown_longer_than_the_visibility_timeout_runs_once(cluster: Cluster) -> None:
+    cluster.start(2, CG_VISIBILITY_TIMEOUT="2")
+    tag = uuid.uuid4().hex[:12]
+    result = cluster.send("shop.long_write", tag, 0.1, countdown=6)
+    assert result.get(timeout=60)["tag"] == tag
+    # The broker handed the waiting message out again while it waited for its ETA; that copy
+    # reaches the store as a prevented duplicate.
+    wait_until(
+        lambda: (cluster.store.get(f"long:{tag}") or _never).duplicates >= 1,
+        timeout=60,
+        what="the broker's redelivery of the ETA message",
+    )
+    assert cluster.effects(tag) == 1
