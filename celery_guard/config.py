@@ -47,6 +47,9 @@ class GuardConfig:
     #: Create the store's tables when a process first uses the store (``CREATE ... IF NOT
     #: EXISTS``). Turn off when the schema is managed by your own Alembic migrations.
     create_tables: bool = True
+    #: Redis URL holding the leases (``SET NX PX``, Lua renew/release, ``INCR`` fencing
+    #: counter), so heartbeats write nothing to the database. ``None``: leases live in the store.
+    lease_url: str | None = None
     #: Seconds between lease renewals while a body runs; ``None`` means a third of the TTL.
     lease_renew_interval: float | None = None
     #: Seconds after which a running body's lease stops being renewed, so a body hung on I/O
@@ -75,6 +78,14 @@ class GuardConfig:
             if getattr(self, name) is not None:
                 _check_number(f"guard_{name}", getattr(self, name), minimum=0.01)
         _check_number("guard_reaper_interval", self.reaper_interval, minimum=0.01)
+        if self.lease_url is not None and (
+            not isinstance(self.lease_url, str)
+            or not self.lease_url.startswith(("redis://", "rediss://", "unix://"))
+        ):
+            raise ConfigurationError(
+                f"guard_lease_url must be a redis://, rediss:// or unix:// URL, got "
+                f"{_hide_password(self.lease_url)!r}"
+            )
         if self.lease_renew_interval is not None and self.lease_renew_interval >= self.lease_ttl:
             raise ConfigurationError(
                 f"guard_lease_renew_interval ({self.lease_renew_interval}) must be shorter than "
@@ -141,6 +152,15 @@ def normalize_store_url(url: object) -> str:
             f"guard_store_url driver {parsed.drivername!r} is not supported; use sqlite:///PATH"
         )
     return parsed.render_as_string(hide_password=False)
+
+
+def _hide_password(url: object) -> object:
+    if not isinstance(url, str) or "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
 
 
 def _check_number(name: str, value: object, *, minimum: float) -> None:

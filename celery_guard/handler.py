@@ -22,6 +22,7 @@ from celery_guard.errors import (
 )
 from celery_guard.execution import Execution
 from celery_guard.keys import KeySource
+from celery_guard.lease.backends import LeaseBackend
 from celery_guard.lease.heartbeat import Heartbeat, Lease
 from celery_guard.store.base import ClaimOutcome, ClaimRequest
 from celery_guard.store.schema import KeyState
@@ -79,6 +80,7 @@ class GuardHandler:
     def __init__(
         self,
         store: SqlStore,
+        leases: LeaseBackend,
         heartbeat: Heartbeat,
         *,
         lease_ttl: float,
@@ -86,6 +88,7 @@ class GuardHandler:
         rng: random.Random | None = None,
     ) -> None:
         self.store = store
+        self.leases = leases
         self.heartbeat = heartbeat
         self.states = states or StateTracker()
         self.lease_ttl = lease_ttl
@@ -93,6 +96,15 @@ class GuardHandler:
 
     def execute(self, task: Any, delivery: Delivery, body: Body) -> Any:
         """Run ``body`` at most once per key and return its result (or the stored one)."""
+        try:
+            acquisition = self.leases.acquire(delivery.key, self.lease_ttl)
+        except StoreError as exc:
+            self._emit(task, delivery.key, signals.STORE_UNAVAILABLE_DEFERRED)
+            raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
+        if not acquisition.acquired:
+            self._emit(task, delivery.key, signals.IN_FLIGHT_DEFERRED)
+            countdown = self._in_flight_backoff(acquisition.remaining, delivery.deferrals)
+            raise DeliveryDeferred(f"key {delivery.key!r} is leased elsewhere", countdown)
         try:
             claim = self.store.claim(
                 ClaimRequest(
@@ -103,13 +115,17 @@ class GuardHandler:
                     owner=delivery.owner,
                     message=delivery.message,
                     lease_ttl=self.lease_ttl,
+                    external_token=acquisition.handle,
                 )
             )
         except StoreError as exc:
+            self._release_lease(delivery.key, acquisition.handle)
             self._emit(task, delivery.key, signals.STORE_UNAVAILABLE_DEFERRED)
             raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
 
         record = claim.record
+        if claim.outcome is not ClaimOutcome.CLAIMED:
+            self._release_lease(delivery.key, acquisition.handle)
         if claim.outcome is ClaimOutcome.CONFLICT:
             self._emit(task, delivery.key, signals.PAYLOAD_CONFLICT)
             raise IdempotencyConflict(delivery.key, record.task_name, delivery.task_name)
@@ -126,6 +142,7 @@ class GuardHandler:
         lease = Lease(
             delivery.key,
             record.fencing_token,
+            handle=acquisition.handle,
             ttl=self.lease_ttl,
             hard_deadline=delivery.hard_deadline,
             progress_timeout=delivery.progress_timeout,
@@ -152,6 +169,8 @@ class GuardHandler:
             return self._run(task, delivery, execution, body)
         finally:
             self.heartbeat.drop(lease)
+            if lease.fenced_reason is None:
+                self._release_lease(lease.key, acquisition.handle)
             self.states.execution_ended(
                 lease.key, lease.token, fenced=lease.fenced_reason is not None
             )
@@ -191,6 +210,13 @@ class GuardHandler:
             task, delivery.key, signals.COMPLETED, execution.fencing_token, execution.attempts
         )
         return value
+
+    def _release_lease(self, key: str, handle: int | None) -> None:
+        """Best effort: a lease that is not released expires on its own."""
+        try:
+            self.leases.release(key, handle)
+        except StoreError as exc:
+            logger.warning("celery_guard could not release the lease of key=%s: %s", key, exc)
 
     def _winner_result(self, key: str, token: int | None) -> Any:
         """After a refused commit: the newer owner's result if it has completed, else Fenced.

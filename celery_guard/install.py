@@ -10,6 +10,7 @@ from celery import Celery, signals
 from celery_guard.config import GuardConfig
 from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.handler import GuardHandler
+from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.reaper import Reaper
 from celery_guard.store.sql import SqlStore
@@ -28,10 +29,19 @@ class GuardRuntime:
         self.app = app
         self.config = config
         self.store = SqlStore(config)
-        self.heartbeat = Heartbeat(self.store, interval=config.renew_interval)
+        self.leases: LeaseBackend = (
+            SqlLeases(self.store)
+            if config.lease_url is None
+            else RedisLeases(config.lease_url, timeout=config.store_timeout)
+        )
+        self.heartbeat = Heartbeat(self.leases, interval=config.renew_interval)
         self.states = StateTracker()
         self.handler = GuardHandler(
-            self.store, self.heartbeat, lease_ttl=config.lease_ttl, states=self.states
+            self.store,
+            self.leases,
+            self.heartbeat,
+            lease_ttl=config.lease_ttl,
+            states=self.states,
         )
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None

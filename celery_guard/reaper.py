@@ -18,6 +18,7 @@ from typing import Any
 
 from celery_guard import serialization
 from celery_guard.errors import StoreError
+from celery_guard.lease.backends import LeaseBackend
 from celery_guard.store.base import KeyRecord
 from celery_guard.store.sql import SqlStore
 
@@ -49,6 +50,7 @@ class Reaper:
         self,
         app: Any,
         store: SqlStore,
+        leases: LeaseBackend,
         *,
         interval: float,
         lease_ttl: float,
@@ -56,6 +58,7 @@ class Reaper:
     ) -> None:
         self.app = app
         self.store = store
+        self.leases = leases
         self.interval = interval
         self.lease_ttl = lease_ttl
         self.holder = holder or f"{socket.gethostname()}/{os.getpid()}"
@@ -77,8 +80,13 @@ class Reaper:
             if not report.leader:
                 return report
             now = self.store.now()
-            for record in self.store.orphans(republish_after=self.republish_after, limit=BATCH):
-                self._recover(record, now, report)
+            candidates = self.store.orphans(republish_after=self.republish_after, limit=BATCH)
+            # With Redis leases the row's lease time is the claim's, never renewed: a key whose
+            # Redis lease is still held is alive, whatever the row says.
+            alive = self.leases.held([record.key for record in candidates])
+            for record in candidates:
+                if record.key not in alive:
+                    self._recover(record, now, report)
             report.pruned = self.store.prune_completed(limit=1000)
         except StoreError as exc:
             logger.warning("celery_guard reaper pass failed: %s", exc)

@@ -35,6 +35,7 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
             self.reaper = Reaper(
                 parent.app,
                 runtime.store,
+                runtime.leases,
                 interval=runtime.config.reaper_interval,
                 lease_ttl=runtime.config.lease_ttl,
                 holder=parent.hostname,

@@ -21,11 +21,11 @@ logger = logging.getLogger("celery_guard.lease")
 Clock = Callable[[], float]
 
 
-class LeaseBackend(Protocol):
-    """Where leases are renewed: the SQL store by default, or Redis."""
+class Renewer(Protocol):
+    """What the heartbeat needs of a lease backend."""
 
     def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
-        """Extend each (key, token) lease still held by that token; return the renewed keys."""
+        """Extend each (key, handle) lease still held; return the renewed keys."""
         ...
 
 
@@ -37,6 +37,7 @@ class Lease:
         key: str,
         token: int,
         *,
+        handle: int | None = None,
         ttl: float,
         hard_deadline: float | None,
         progress_timeout: float | None,
@@ -47,6 +48,9 @@ class Lease:
         self._on_fence = on_fence
         self.key = key
         self.token = token
+        #: What the lease backend checks on renewal: the fencing token for SQL leases, the
+        #: value stored in the Redis lease otherwise.
+        self.handle = token if handle is None else handle
         self.ttl = ttl
         self._clock = clock
         #: Until when the lease is surely ours: measured from *before* the last successful
@@ -106,7 +110,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        backend: LeaseBackend,
+        backend: Renewer,
         *,
         interval: float,
         clock: Clock = time.monotonic,
@@ -143,7 +147,7 @@ class Heartbeat:
             return
         ttl = max(lease.ttl for lease in due)
         try:
-            renewed = self.backend.renew_leases(((le.key, le.token) for le in due), ttl)
+            renewed = self.backend.renew_leases(((le.key, le.handle) for le in due), ttl)
         except StoreError as exc:
             for lease in due:
                 if self._clock() > lease.valid_until:

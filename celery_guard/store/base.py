@@ -35,6 +35,10 @@ class ClaimRequest:
     #: JSON text of what re-publishing needs, or ``None``.
     message: str | None
     lease_ttl: float
+    #: With Redis leases: the token the lease store issued with the lease this claimant holds.
+    #: Holding that lease entitles the claim to take a RUNNING row over, and the row's token
+    #: becomes the larger of it and the row's next token. ``None``: the row is the lease.
+    external_token: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -345,7 +345,7 @@ class SqlStore:
             task_name=request.task_name,
             state=RUNNING,
             attempts=1,
-            fencing_token=1,
+            fencing_token=request.external_token or 1,
             lease_expires_at=now + request.lease_ttl,
             owner=request.owner,
             claim_id=claim_id,
@@ -372,7 +372,18 @@ class SqlStore:
         result_expired = and_(
             keys.c.state == COMPLETED, keys.c.expires_at.is_not(None), keys.c.expires_at <= now
         )
-        lease_expired = and_(keys.c.state == RUNNING, keys.c.lease_expires_at <= now, same_payload)
+        if request.external_token is None:
+            lease_expired = and_(
+                keys.c.state == RUNNING, keys.c.lease_expires_at <= now, same_payload
+            )
+            next_token: Any = keys.c.fencing_token + 1
+        else:
+            # The claimant holds the external lease, so the previous owner's has lapsed.
+            lease_expired = and_(keys.c.state == RUNNING, same_payload)
+            next_token = case(
+                (keys.c.fencing_token + 1 > request.external_token, keys.c.fencing_token + 1),
+                else_=request.external_token,
+            )
         released = and_(keys.c.state == RELEASED, same_payload)
         # The same claim sent again after a lost reply must find itself the owner.
         resent = keys.c.claim_id == new.claim_id
@@ -391,7 +402,7 @@ class SqlStore:
                     (claimable, keys.c.attempts + 1),
                     else_=keys.c.attempts,
                 ),
-                "fencing_token": when_claimed(keys.c.fencing_token + 1, keys.c.fencing_token),
+                "fencing_token": when_claimed(next_token, keys.c.fencing_token),
                 "lease_expires_at": when_claimed(new.lease_expires_at, keys.c.lease_expires_at),
                 "owner": when_claimed(new.owner, keys.c.owner),
                 "claim_id": when_claimed(new.claim_id, keys.c.claim_id),

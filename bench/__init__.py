@@ -1,0 +1,1 @@
+"""Benchmarks for celery_guard (run the scripts from the repository root)."""

@@ -1,0 +1,127 @@
+"""The Celery app bench/overhead.py runs in real workers: plain vs guarded, no-op vs one insert.
+
+Configured from the environment so the benchmark process and its workers agree:
+``BENCH_BROKER_URL`` (Redis broker), ``BENCH_REDIS_URL`` (Redis for the completion counter),
+``BENCH_STORE_URL`` (PostgreSQL: celery_guard's store and the table the insert tasks write) and
+``BENCH_PREFETCH`` (worker_prefetch_multiplier). No result backend: every task ignores results.
+
+Completion is detected the same way for all four tasks: ``task_prerun`` records the first start
+(once per process) and ``task_postrun`` increments a Redis counter and stamps the time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from celery import Celery, signals
+from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, create_engine, insert
+
+import celery_guard
+from celery_guard import GuardedTask
+
+DONE_KEY = "bench:done"
+FIRST_START_KEY = "bench:first_start"
+LAST_END_KEY = "bench:last_end"
+
+STORE_URL = os.environ.get("BENCH_STORE_URL", "postgresql+psycopg://postgres@127.0.0.1/bench")
+
+app = Celery(
+    "overhead_app",
+    broker=os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    set_as_current=False,
+)
+app.conf.update(
+    guard_store_url=STORE_URL,
+    task_ignore_result=True,
+    worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "4")),
+    broker_connection_retry_on_startup=True,
+)
+celery_guard.install(app)
+
+metadata = MetaData()
+rows = Table(
+    "bench_rows",
+    metadata,
+    Column("row_id", Integer, primary_key=True),
+    Column("variant", String(32), nullable=False),
+)
+
+T = TypeVar("T")
+_per_process: dict[str, tuple[int, Any]] = {}
+
+
+def per_process(name: str, factory: Callable[[], T]) -> T:
+    """One ``factory()`` value per process, built on first use after fork (never inherited)."""
+    pid, value = _per_process.get(name, (None, None))
+    if pid != os.getpid():
+        value = factory()
+        _per_process[name] = (os.getpid(), value)
+    return value  # type: ignore[no-any-return]
+
+
+def plain_engine() -> Engine:
+    return per_process("engine", lambda: create_engine(STORE_URL))
+
+
+def counter() -> redis.Redis:
+    url = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/1")
+    return per_process("redis", lambda: redis.Redis.from_url(url))
+
+
+# -- the four tasks ---------------------------------------------------------------------------
+# GuardedTask forces acks_late and reject_on_worker_lost; the plain tasks get the same.
+PLAIN = {"bind": True, "acks_late": True, "reject_on_worker_lost": True}
+
+
+@app.task(name="bench.plain_noop", **PLAIN)
+def plain_noop(self: Any, row_id: int) -> None:
+    return None
+
+
+@app.task(name="bench.plain_insert", **PLAIN)
+def plain_insert(self: Any, row_id: int) -> None:
+    with plain_engine().begin() as connection:
+        connection.execute(insert(rows).values(row_id=row_id, variant="plain_insert"))
+
+
+@app.task(name="bench.guarded_noop", base=GuardedTask, bind=True, idempotency_key="noop:{row_id}")
+def guarded_noop(self: Any, row_id: int) -> None:
+    return None
+
+
+@app.task(name="bench.guarded_insert", base=GuardedTask, bind=True, idempotency_key="row:{row_id}")
+def guarded_insert(self: Any, row_id: int) -> None:
+    with self.guard.transaction() as connection:
+        connection.execute(insert(rows).values(row_id=row_id, variant="guarded_insert"))
+
+
+TASKS = {
+    "plain_noop": plain_noop,
+    "guarded_noop": guarded_noop,
+    "plain_insert": plain_insert,
+    "guarded_insert": guarded_insert,
+}
+
+
+# -- completion detection, identical for every task ---------------------------------------------
+
+
+_started_in_pid: int | None = None
+
+
+@signals.task_prerun.connect
+def _record_first_start(**_: Any) -> None:
+    global _started_in_pid
+    if _started_in_pid != os.getpid():  # once per process: the earliest SET wins
+        _started_in_pid = os.getpid()
+        counter().set(FIRST_START_KEY, repr(time.time()), nx=True)
+
+
+@signals.task_postrun.connect
+def _count_done(**_: Any) -> None:
+    pipe = counter().pipeline(transaction=False)
+    pipe.incr(DONE_KEY).set(LAST_END_KEY, repr(time.time())).execute()

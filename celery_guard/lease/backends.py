@@ -1,0 +1,206 @@
+"""Lease backends: where a running key's lease lives and is renewed.
+
+The SQL store always decides completion (its row holds the highest fencing token). The lease
+may live beside it, in the same row (the default), or in Redis (``guard_lease_url``) so that
+heartbeats write nothing to the database: ``SET NX PX`` to acquire, token-checked renew and
+release in Lua, ``INCR`` for the fencing counter (seed 001).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import redis
+
+from celery_guard.errors import StoreUnavailable
+from celery_guard.store.sql import SqlStore
+
+
+@dataclass(frozen=True)
+class Acquisition:
+    """The lease part of a claim."""
+
+    #: False when another execution holds the lease: the delivery is in flight elsewhere.
+    acquired: bool
+    #: What renew and release check (Redis: the value stored in the lease); ``None`` when the
+    #: SQL row itself is the lease.
+    handle: int | None = None
+    #: Seconds left on the holder's lease when not acquired.
+    remaining: float = 0.0
+
+
+class LeaseBackend(Protocol):
+    """The operations the handler, the heartbeat and the reaper need of a lease backend."""
+
+    #: True when leases live in the store's rows (the claim itself takes them).
+    in_store: bool
+
+    def acquire(self, key: str, ttl: float) -> Acquisition: ...
+
+    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        """Extend each (key, handle) lease still held; return the renewed keys."""
+        ...
+
+    def release(self, key: str, handle: int | None) -> None: ...
+
+    def held(self, keys: list[str]) -> set[str]:
+        """Which of ``keys`` have a live lease (the reaper skips those)."""
+        ...
+
+
+class SqlLeases:
+    """Leases in the idempotency rows: the claim takes them, the heartbeat updates the rows."""
+
+    in_store = True
+
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+
+    def acquire(self, key: str, ttl: float) -> Acquisition:
+        return Acquisition(acquired=True)
+
+    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        return self.store.renew_leases(leases, ttl)
+
+    def release(self, key: str, handle: int | None) -> None:
+        """Nothing to do: completing or releasing the row ends its lease."""
+
+    def held(self, keys: list[str]) -> set[str]:
+        # The reaper's query already keeps only rows whose lease expired.
+        return set()
+
+
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, tonumber(redis.call('GET', KEYS[1])) or 0, redis.call('PTTL', KEYS[1])}
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
+return {1, token, tonumber(ARGV[1])}
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class RedisLeases:
+    """Leases in Redis; one client per process, created after fork."""
+
+    in_store = False
+
+    def __init__(self, url: str, *, timeout: float, prefix: str = "celery_guard") -> None:
+        self.url = url
+        self.timeout = timeout
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._client: redis.Redis | None = None
+        self._client_pid: int | None = None
+        self._scripts: dict[str, Any] = {}
+
+    def lease_key(self, key: str) -> str:
+        # The hash tag keeps a key's lease and counter in one slot on Redis Cluster.
+        return f"{self.prefix}:{{{key}}}:lease"
+
+    def fence_key(self, key: str) -> str:
+        return f"{self.prefix}:{{{key}}}:fence"
+
+    @property
+    def client(self) -> redis.Redis:
+        pid = os.getpid()
+        with self._lock:
+            if self._client is None or self._client_pid != pid:
+                # A client inherited across fork shares the parent's sockets: never reuse it.
+                self._client = redis.Redis.from_url(
+                    self.url,
+                    socket_timeout=self.timeout,
+                    socket_connect_timeout=self.timeout,
+                    health_check_interval=30,
+                )
+                self._client_pid = pid
+                self._scripts = {
+                    name: self._client.register_script(source)
+                    for name, source in (
+                        ("acquire", _ACQUIRE),
+                        ("renew", _RENEW),
+                        ("release", _RELEASE),
+                    )
+                }
+            return self._client
+
+    def acquire(self, key: str, ttl: float) -> Acquisition:
+        client = self.client
+        try:
+            acquired, token, pttl = self._scripts["acquire"](
+                keys=[self.lease_key(key), self.fence_key(key)],
+                args=[max(1, int(ttl * 1000))],
+                client=client,
+            )
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
+        return Acquisition(
+            acquired=bool(acquired), handle=int(token), remaining=max(0, int(pttl)) / 1000
+        )
+
+    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        pairs = list(leases)
+        if not pairs:
+            return set()
+        client = self.client
+        try:
+            # One round trip for every lease this process holds.
+            pipeline = client.pipeline(transaction=False)
+            for key, handle in pairs:
+                self._scripts["renew"](
+                    keys=[self.lease_key(key)],
+                    args=[handle, max(1, int(ttl * 1000))],
+                    client=pipeline,
+                )
+            answers = pipeline.execute()
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
+        return {key for (key, _), answer in zip(pairs, answers, strict=True) if answer == 1}
+
+    def release(self, key: str, handle: int | None) -> None:
+        if handle is None:
+            return
+        try:
+            self._scripts["release"](keys=[self.lease_key(key)], args=[handle], client=self.client)
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    def held(self, keys: list[str]) -> set[str]:
+        if not keys:
+            return set()
+        try:
+            values = self.client.mget([self.lease_key(key) for key in keys])
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
+        return {key for key, value in zip(keys, values, strict=True) if value is not None}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None and self._client_pid == os.getpid():
+                self._client.close()
+            self._client = None
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        where = urlsplit(self.url)  # host and port only: the URL may carry a password
+        return StoreUnavailable(
+            f"lease store {where.scheme}://{where.hostname}:{where.port} unavailable: {exc}"
+        )
