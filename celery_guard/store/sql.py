@@ -8,6 +8,7 @@ writer waits for the lock (``busy_timeout``) instead of failing on a read-to-wri
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -16,30 +17,31 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from sqlalchemy import (
+    BigInteger,
     Connection,
+    Double,
     Engine,
     RootTransaction,
     and_,
+    bindparam,
     case,
     create_engine,
     delete,
     event,
-    literal,
     or_,
     select,
+    text,
     tuple_,
     update,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
-from sqlalchemy.sql.elements import ColumnElement
 
 from celery_guard.config import GuardConfig
 from celery_guard.errors import Fenced, StoreError, StoreUnavailable
 from celery_guard.store.base import ClaimOutcome, ClaimRequest, ClaimResult, KeyRecord
 from celery_guard.store.schema import (
-    ClaimReason,
     KeyState,
     db_epoch_now,
     keys,
@@ -149,8 +151,21 @@ class SqlStore:
     def claim(self, request: ClaimRequest) -> ClaimResult:
         """Insert or take over the key's row in one statement and say what happened."""
         claim_id = uuid.uuid4().hex
-        statement = self._claim_statement(request, claim_id)
-        row = _only_row(self._call(lambda: self._execute_single(statement))[0])
+        statement = _claim_statement(
+            self.dialect_name, request.check_fingerprint, request.external_token is not None
+        )
+        parameters = {
+            "p_key": request.key,
+            "p_task_name": request.task_name,
+            "p_owner": request.owner,
+            "p_claim_id": claim_id,
+            "p_fingerprint": request.fingerprint,
+            "p_message": request.message,
+            "p_lease_ttl": request.lease_ttl,
+        }
+        if request.external_token is not None:
+            parameters["p_external_token"] = request.external_token
+        row = _only_row(self._call(lambda: self._execute_single(statement, parameters))[0])
         record = KeyRecord.from_mapping(row)
         return ClaimResult(
             outcome=_classify(record, request, claim_id),
@@ -171,25 +186,12 @@ class SqlStore:
         With ``connection`` the marker joins that open transaction (the task's own writes) and the
         caller commits; without it the marker is one autocommitted statement.
         """
-        now = db_epoch_now()
-        expires = None if retention is None else now + retention
-        statement = (
-            update(keys)
-            .where(keys.c.key == key, keys.c.fencing_token == token, keys.c.state == RUNNING)
-            .values(
-                state=COMPLETED,
-                result=result,
-                last_error=None,
-                lease_expires_at=None,
-                completed_at=now,
-                updated_at=now,
-                expires_at=expires,
-            )
-        )
+        statement = _complete_statement(retention is not None)
+        parameters = {"p_key": key, "p_token": token, "p_result": result, "p_retention": retention}
         if connection is not None:
-            rowcount = self._call(lambda: connection.execute(statement).rowcount)
+            rowcount = self._call(lambda: connection.execute(statement, parameters).rowcount)
         else:
-            rowcount = self._call(lambda: self._execute_single(statement))[1]
+            rowcount = self._call(lambda: self._execute_single(statement, parameters))[1]
         if rowcount == 1:
             return
         if connection is None:
@@ -201,13 +203,8 @@ class SqlStore:
 
     def release(self, key: str, token: int, error: str | None) -> bool:
         """Give the key up after an execution that did not complete; False if it was not ours."""
-        now = db_epoch_now()
-        statement = (
-            update(keys)
-            .where(keys.c.key == key, keys.c.fencing_token == token, keys.c.state == RUNNING)
-            .values(state=RELEASED, lease_expires_at=None, last_error=error, updated_at=now)
-        )
-        return self._call(lambda: self._execute_single(statement))[1] == 1
+        parameters = {"p_key": key, "p_token": token, "p_error": error}
+        return self._call(lambda: self._execute_single(_RELEASE, parameters))[1] == 1
 
     def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
         """Extend the leases still held by their tokens, in one statement; return those keys."""
@@ -320,8 +317,8 @@ class SqlStore:
 
     def get(self, key: str) -> KeyRecord | None:
         """The key's row, or ``None``."""
-        statement = select(keys).where(keys.c.key == key)
-        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        parameters = {"p_key": key}
+        rows = self._call(lambda: self._execute_single(_GET, parameters, read_only=True))[0]
         return KeyRecord.from_mapping(rows[0]) if rows else None
 
     def commit(self, transaction: RootTransaction) -> None:
@@ -338,103 +335,11 @@ class SqlStore:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _claim_statement(self, request: ClaimRequest, claim_id: str) -> Any:
-        now = db_epoch_now()
-        statement = self._upsert(keys).values(
-            key=request.key,
-            task_name=request.task_name,
-            state=RUNNING,
-            attempts=1,
-            fencing_token=request.external_token or 1,
-            lease_expires_at=now + request.lease_ttl,
-            owner=request.owner,
-            claim_id=claim_id,
-            claim_reason=ClaimReason.NEW.value,
-            fingerprint=request.fingerprint,
-            message=request.message,
-            result=None,
-            last_error=None,
-            duplicates=0,
-            created_at=now,
-            updated_at=now,
-            completed_at=None,
-            expires_at=None,
-            republished_at=None,
-        )
-        new = statement.excluded
-        if request.check_fingerprint:
-            same_payload: ColumnElement[bool] = or_(
-                keys.c.fingerprint == new.fingerprint,
-                keys.c.fingerprint.is_(None),
-            )
-        else:
-            same_payload = literal(True)
-        result_expired = and_(
-            keys.c.state == COMPLETED, keys.c.expires_at.is_not(None), keys.c.expires_at <= now
-        )
-        if request.external_token is None:
-            lease_expired = and_(
-                keys.c.state == RUNNING, keys.c.lease_expires_at <= now, same_payload
-            )
-            next_token: Any = keys.c.fencing_token + 1
-        else:
-            # The claimant holds the external lease, so the previous owner's has lapsed.
-            lease_expired = and_(keys.c.state == RUNNING, same_payload)
-            next_token = case(
-                (keys.c.fencing_token + 1 > request.external_token, keys.c.fencing_token + 1),
-                else_=request.external_token,
-            )
-        released = and_(keys.c.state == RELEASED, same_payload)
-        # The same claim sent again after a lost reply must find itself the owner.
-        resent = keys.c.claim_id == new.claim_id
-        claimable = or_(resent, result_expired, lease_expired, released)
-        replay = and_(keys.c.state == COMPLETED, ~result_expired, same_payload)
-
-        def when_claimed(value: Any, otherwise: Any) -> Any:
-            return case((claimable, value), else_=otherwise)
-
-        statement = statement.on_conflict_do_update(
-            index_elements=[keys.c.key],
-            set_={
-                "state": when_claimed(RUNNING, keys.c.state),
-                "attempts": case(
-                    (result_expired, 1),
-                    (claimable, keys.c.attempts + 1),
-                    else_=keys.c.attempts,
-                ),
-                "fencing_token": when_claimed(next_token, keys.c.fencing_token),
-                "lease_expires_at": when_claimed(new.lease_expires_at, keys.c.lease_expires_at),
-                "owner": when_claimed(new.owner, keys.c.owner),
-                "claim_id": when_claimed(new.claim_id, keys.c.claim_id),
-                "claim_reason": case(
-                    (resent, keys.c.claim_reason),
-                    (result_expired, ClaimReason.NEW.value),
-                    (lease_expired, ClaimReason.TAKEOVER.value),
-                    (released, ClaimReason.RETRY.value),
-                    else_=keys.c.claim_reason,
-                ),
-                "task_name": when_claimed(new.task_name, keys.c.task_name),
-                "fingerprint": when_claimed(new.fingerprint, keys.c.fingerprint),
-                "message": when_claimed(new.message, keys.c.message),
-                "result": when_claimed(None, keys.c.result),
-                "completed_at": when_claimed(None, keys.c.completed_at),
-                "expires_at": when_claimed(None, keys.c.expires_at),
-                "updated_at": when_claimed(new.updated_at, keys.c.updated_at),
-                "created_at": case((result_expired, new.created_at), else_=keys.c.created_at),
-                "duplicates": case((replay, keys.c.duplicates + 1), else_=keys.c.duplicates),
-                "republished_at": when_claimed(None, keys.c.republished_at),
-            },
-        )
-        return statement.returning(
-            *keys.c, (keys.c.lease_expires_at - now).label("lease_remaining")
-        )
-
     def _upsert(self, table: Any) -> Any:
-        """The dialect's INSERT with ON CONFLICT support."""
-        return (postgresql.insert if self.dialect_name == "postgresql" else sqlite.insert)(table)
+        return _upsert(self.dialect_name, table)
 
     def _execute_single(
-        self, statement: Any, read_only: bool = False
+        self, statement: Any, parameters: dict[str, Any] | None = None, read_only: bool = False
     ) -> tuple[list[dict[str, Any]], int]:
         """Run one statement as its own transaction, in as few round trips as the dialect allows.
 
@@ -443,10 +348,10 @@ class SqlStore:
         engine = self._ready_engine()
         if self.dialect_name == "postgresql":
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-                return _read(connection.execute(statement))
+                return _read(connection.execute(statement, parameters))
         options = {_SQLITE_READ_ONLY: read_only}
         with engine.connect().execution_options(**options) as connection, connection.begin():
-            return _read(connection.execute(statement))
+            return _read(connection.execute(statement, parameters))
 
     def _call(self, operation: Callable[[], T]) -> T:
         """Run a store operation, once more after a dropped connection; wrap driver errors."""
@@ -466,6 +371,11 @@ class SqlStore:
                     f"({self.config.safe_store_url()})"
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _upsert(dialect_name: str, table: Any) -> Any:
+    """The dialect's INSERT with ON CONFLICT support."""
+    return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(table)
 
 
 def _classify(record: KeyRecord, request: ClaimRequest, claim_id: str) -> ClaimOutcome:
@@ -526,3 +436,140 @@ def _configure_sqlite(engine: Engine, timeout: float) -> None:
         # transaction that upgrades from read to write fails at once with SQLITE_BUSY.
         read_only = connection.get_execution_options().get(_SQLITE_READ_ONLY, False)
         connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+_owned_by_token = and_(
+    keys.c.key == bindparam("p_key"),
+    keys.c.fencing_token == bindparam("p_token", type_=BigInteger),
+    keys.c.state == RUNNING,
+)
+
+_RELEASE = (
+    update(keys)
+    .where(_owned_by_token)
+    .values(
+        state=RELEASED,
+        lease_expires_at=None,
+        last_error=bindparam("p_error"),
+        updated_at=db_epoch_now(),
+    )
+)
+
+_GET = select(keys).where(keys.c.key == bindparam("p_key"))
+
+
+@functools.cache
+def _complete_statement(expires: bool) -> Any:
+    """The completion marker, token-checked; built once per retention kind."""
+    now = db_epoch_now()
+    return (
+        update(keys)
+        .where(_owned_by_token)
+        .values(
+            state=COMPLETED,
+            result=bindparam("p_result"),
+            last_error=None,
+            lease_expires_at=None,
+            completed_at=now,
+            updated_at=now,
+            expires_at=now + bindparam("p_retention", type_=Double) if expires else None,
+        )
+    )
+
+
+# The claim: one statement, one round trip, whatever the outcome. The inner SELECT decides once
+# what kind of claim this is; every column then reads that decision. ``k`` is the existing row,
+# ``excluded`` the row this claim proposed, whose updated_at is "now" by the database's clock.
+# A claim that does not own the key rewrites the row with its own values (a no-op) but for the
+# duplicates counter, so the RETURNING row always answers: owned (claim_id is ours), COMPLETED,
+# in flight or a payload conflict.
+_CLAIM_SQL = """
+INSERT INTO celery_guard_keys AS k (
+    key, task_name, state, attempts, fencing_token, lease_expires_at, owner, claim_id,
+    claim_reason, fingerprint, message, duplicates, created_at, updated_at)
+VALUES (
+    :p_key, :p_task_name, 'RUNNING', 1, {first_token}, {now} + :p_lease_ttl, :p_owner,
+    :p_claim_id, 'NEW', :p_fingerprint, :p_message, 0, {now}, {now})
+ON CONFLICT (key) DO UPDATE SET (
+    state, attempts, fencing_token, lease_expires_at, owner, claim_id, claim_reason,
+    task_name, fingerprint, message, result, completed_at, expires_at, created_at,
+    updated_at, republished_at, duplicates
+) = (
+    SELECT
+        CASE WHEN d.claim THEN 'RUNNING' ELSE k.state END,
+        CASE WHEN d.expired THEN 1 WHEN d.claim THEN k.attempts + 1 ELSE k.attempts END,
+        CASE WHEN d.claim THEN {next_token} ELSE k.fencing_token END,
+        CASE WHEN d.claim THEN excluded.lease_expires_at ELSE k.lease_expires_at END,
+        CASE WHEN d.claim THEN excluded.owner ELSE k.owner END,
+        CASE WHEN d.claim THEN excluded.claim_id ELSE k.claim_id END,
+        CASE WHEN d.resent THEN k.claim_reason WHEN d.expired THEN 'NEW'
+             WHEN d.lapsed THEN 'TAKEOVER' WHEN d.released THEN 'RETRY'
+             ELSE k.claim_reason END,
+        CASE WHEN d.claim THEN excluded.task_name ELSE k.task_name END,
+        CASE WHEN d.claim THEN excluded.fingerprint ELSE k.fingerprint END,
+        CASE WHEN d.claim THEN excluded.message ELSE k.message END,
+        CASE WHEN d.claim THEN NULL ELSE k.result END,
+        CASE WHEN d.claim THEN NULL ELSE k.completed_at END,
+        CASE WHEN d.claim THEN NULL ELSE k.expires_at END,
+        CASE WHEN d.expired THEN excluded.created_at ELSE k.created_at END,
+        CASE WHEN d.claim THEN excluded.updated_at ELSE k.updated_at END,
+        CASE WHEN d.claim THEN NULL ELSE k.republished_at END,
+        CASE WHEN d.replay THEN k.duplicates + 1 ELSE k.duplicates END
+    FROM (
+        SELECT c.resent, c.expired, c.lapsed, c.released,
+               (c.resent OR c.expired OR c.lapsed OR c.released) AS claim,
+               (k.state = 'COMPLETED' AND NOT c.expired AND c.same) AS replay
+        FROM (
+            SELECT
+                COALESCE(k.claim_id = excluded.claim_id, FALSE) AS resent,
+                (k.state = 'COMPLETED'
+                 AND COALESCE(k.expires_at <= excluded.updated_at, FALSE)) AS expired,
+                (k.state = 'RUNNING' AND {lapsed} AND {same}) AS lapsed,
+                (k.state = 'RELEASED' AND {same}) AS released,
+                {same} AS same
+        ) AS c
+    ) AS d
+)
+RETURNING *, lease_expires_at - {now} AS lease_remaining
+"""
+
+#: Same payload: the fingerprints match (a row without one accepts any).
+_SAME_PAYLOAD = "COALESCE(k.fingerprint = excluded.fingerprint OR k.fingerprint IS NULL, FALSE)"
+
+_CLOCKS = {
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+
+
+@functools.cache
+def _claim_statement(dialect_name: str, check_fingerprint: bool, external_lease: bool) -> Any:
+    """The claim SQL for one variant, built once (SQLAlchemy then reuses its compiled form).
+
+    A short text matters: psycopg parses queries over 4 KB on every execution, and a claim built
+    from SQLAlchemy expressions repeated its condition in every column (13 KB).
+    """
+    if external_lease:
+        # The claimant holds the external (Redis) lease, so the previous owner's has lapsed;
+        # the row's token must still rise even if the lease store's counter went backwards.
+        first_token = ":p_external_token"
+        lapsed = "TRUE"
+        next_token = (
+            "CASE WHEN k.fencing_token + 1 > :p_external_token "
+            "THEN k.fencing_token + 1 ELSE :p_external_token END"
+        )
+    else:
+        first_token = "1"
+        lapsed = "COALESCE(k.lease_expires_at <= excluded.updated_at, FALSE)"
+        next_token = "k.fencing_token + 1"
+    sql = _CLAIM_SQL.format(
+        now=_CLOCKS[dialect_name],
+        first_token=first_token,
+        next_token=next_token,
+        lapsed=lapsed,
+        same=_SAME_PAYLOAD if check_fingerprint else "TRUE",
+    )
+    typed = [bindparam("p_lease_ttl", type_=Double)]
+    if external_lease:
+        typed.append(bindparam("p_external_token", type_=BigInteger))
+    return text(sql).bindparams(*typed)
