@@ -260,7 +260,10 @@ def server_statements(postgres: PostgresServer, marker: str) -> collections.Coun
 
 def classify(sql: str) -> str:
     """Who sent a statement and what it is: celery_guard's claim/complete, the task's, or other."""
-    verb = sql.split()[0].upper()
+    words = sql.split()
+    if not words:
+        return "other"
+    verb = words[0].upper()
     if "celery_guard_" in sql:
         if verb == "INSERT":
             return "guard claim (INSERT ON CONFLICT)"

@@ -562,7 +562,7 @@ def _claim_statement(dialect_name: str, check_fingerprint: bool, external_lease:
         first_token = "1"
         lapsed = "COALESCE(k.lease_expires_at <= excluded.updated_at, FALSE)"
         next_token = "k.fencing_token + 1"
-    sql = _CLAIM_SQL.format(
+    sql = _CLAIM_SQL.strip().format(
         now=_CLOCKS[dialect_name],
         first_token=first_token,
         next_token=next_token,

@@ -39,6 +39,7 @@ class Cluster:
     client: Celery
     store: SqlStore
     workers: list[WorkerProcess]
+    lease_backend: str
 
     def start(self, count: int = 1, **overrides: str) -> list[WorkerProcess]:
         started = start_workers(count, {**self.env, **overrides}, queues=self.queue, concurrency=1)
@@ -59,8 +60,11 @@ class Cluster:
             )
 
 
-@pytest.fixture
-def cluster(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Cluster]:
+@pytest.fixture(params=["sql-leases", "redis-leases"])
+def cluster(
+    request: pytest.FixtureRequest, postgres: PostgresServer, redis_server: RedisServer
+) -> Iterator[Cluster]:
+    """Each test runs twice: leases in the store's rows, and leases in Redis."""
     store_url = postgres.create_database(f"heal_{uuid.uuid4().hex[:8]}")
     engine = create_engine(store_url)
     guard_metadata.create_all(engine)
@@ -72,10 +76,11 @@ def cluster(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Clu
         "CG_STORE_URL": store_url,
         "CG_LEASE_TTL": str(LEASE_TTL),
         "CG_REAPER_INTERVAL": str(REAPER_INTERVAL),
+        "CG_LEASE_URL": redis_server.url_for(11) if request.param == "redis-leases" else "",
     }
     client = Celery("heal-client", broker=env["CG_BROKER_URL"], backend=env["CG_RESULT_URL"])
     store = SqlStore(GuardConfig(store_url=store_url))
-    running = Cluster(env, f"heal-{uuid.uuid4().hex[:8]}", client, store, [])
+    running = Cluster(env, f"heal-{uuid.uuid4().hex[:8]}", client, store, [], request.param)
     try:
         yield running
     finally:
@@ -215,4 +220,31 @@ def test_a_countdown_longer_than_the_visibility_timeout_runs_once(cluster: Clust
         timeout=60,
         what="the broker's redelivery of the ETA message",
     )
+    assert cluster.effects(tag) == 1
+
+
+def test_heartbeats_renew_the_lease_where_it_lives(cluster: Cluster) -> None:
+    """SQL leases move the row's lease forward; Redis leases never write the row while running."""
+    cluster.start(1)
+    tag = uuid.uuid4().hex[:12]
+    key = f"long:{tag}"
+    result = cluster.send("shop.long_write", tag, 3 * LEASE_TTL)
+    wait_running(cluster, key)
+    claimed = cluster.store.get(key)
+    assert claimed is not None and claimed.lease_expires_at is not None
+    # Wait past the claim-time lease while the body still runs.
+    wait_until(
+        lambda: cluster.store.now() > (claimed.lease_expires_at or 0) + 0.5,
+        timeout=30,
+        what="the claim-time lease to pass",
+    )
+    running = cluster.store.get(key)
+    assert running is not None and running.state == "RUNNING"
+    assert running.fencing_token == claimed.fencing_token, "never taken over"
+    if cluster.lease_backend == "redis-leases":
+        assert running.updated_at == claimed.updated_at
+        assert running.lease_expires_at == claimed.lease_expires_at, "no heartbeat in SQL"
+    else:
+        assert (running.lease_expires_at or 0) > (claimed.lease_expires_at or 0)
+    assert result.get(timeout=60)["fencing_token"] == claimed.fencing_token
     assert cluster.effects(tag) == 1

@@ -1,0 +1,122 @@
+"""The reaper's store primitives and one pass against a real Redis broker."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from celery import Celery
+
+from celery_guard.lease.backends import RedisLeases, SqlLeases
+from celery_guard.reaper import Reaper
+from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
+from tests.rig.procs import wait_until
+from tests.rig.servers import RedisServer
+
+
+def claim(store: SqlStore, key: str, *, ttl: float = 30.0, message: str | None = None) -> int:
+    result = store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="shop.record",
+            fingerprint="fp",
+            check_fingerprint=True,
+            owner="w1/1",
+            message=message,
+            lease_ttl=ttl,
+        )
+    )
+    assert result.outcome is ClaimOutcome.CLAIMED
+    return result.record.fencing_token
+
+
+def test_one_leader_at_a_time_and_a_resigned_lease_is_free(store: SqlStore) -> None:
+    assert store.acquire_leadership("reaper", "a", ttl=30)
+    assert store.acquire_leadership("reaper", "a", ttl=30), "the holder keeps it"
+    assert not store.acquire_leadership("reaper", "b", ttl=30)
+    store.resign_leadership("reaper", "a")
+    assert store.acquire_leadership("reaper", "b", ttl=30)
+    assert not store.acquire_leadership("reaper", "a", ttl=30)
+
+
+def test_an_expired_leadership_passes_to_the_next_candidate(store: SqlStore) -> None:
+    assert store.acquire_leadership("reaper", "a", ttl=0.1)
+    wait_until(lambda: store.acquire_leadership("reaper", "b", ttl=30), 10, "leadership")
+
+
+def test_orphans_are_expired_running_keys_marked_once_per_period(store: SqlStore) -> None:
+    live = claim(store, "live")
+    orphan = claim(store, "orphan", ttl=0.1)
+    done = claim(store, "done", ttl=0.1)
+    store.complete("done", done, "1", retention=60)
+    wait_until(
+        lambda: [r.key for r in store.orphans(republish_after=60, limit=10)] == ["orphan"],
+        timeout=10,
+        what="the orphan's lease to expire",
+    )
+    assert store.mark_republished("orphan", orphan, republish_after=60)
+    assert not store.mark_republished("orphan", orphan, republish_after=60), "once per period"
+    assert store.orphans(republish_after=60, limit=10) == []
+    assert not store.mark_republished("live", live, republish_after=60), "a live lease"
+
+
+def test_pruning_deletes_completed_keys_past_their_retention_only(store: SqlStore) -> None:
+    for key, retention in (("gone", 0.0), ("kept", 600.0), ("forever", None)):
+        token = claim(store, key)
+        store.complete(key, token, "1", retention=retention)
+    claim(store, "running")
+    assert store.prune_completed(limit=100) == 1
+    assert store.get("gone") is None
+    assert all(store.get(key) is not None for key in ("kept", "forever", "running"))
+
+
+def test_a_pass_republishes_an_orphans_stored_message_to_its_queue(
+    store: SqlStore, redis_server: RedisServer
+) -> None:
+    broker = redis_server.url_for(10)
+    queue = f"reaped-{uuid.uuid4().hex[:8]}"
+    message = json.dumps(
+        {
+            "task": "shop.record",
+            "id": "task-1",
+            "args": ["tag"],
+            "kwargs": {"value": 1},
+            "headers": {"guard_idempotency_key": "orphan", "guard_key_source": "call"},
+            "exchange": "",
+            "routing_key": queue,
+            "priority": None,
+        }
+    )
+    claim(store, "orphan", ttl=0.1, message=message)
+    app = Celery("reaper-test", broker=broker, set_as_current=False)
+    reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=0.1, holder="me")
+    try:
+        wait_until(lambda: reaper.run_once().recovered == ["orphan"], 10, "the orphan's recovery")
+        assert reaper.run_once().recovered == [], "not re-published again within the period"
+        with app.connection_for_read() as connection:
+            received = connection.SimpleQueue(queue, no_ack=True).get(timeout=5)
+            assert received.headers["id"] == "task-1"
+            assert received.headers["task"] == "shop.record"
+            assert received.headers["guard_idempotency_key"] == "orphan"
+            assert received.decode()[0] == ["tag"]
+    finally:
+        app.close()
+
+
+def test_with_redis_leases_a_held_lease_keeps_its_key_out_of_the_reaper(
+    store: SqlStore, redis_server: RedisServer
+) -> None:
+    leases = RedisLeases(redis_server.url_for(9), timeout=2, prefix=uuid.uuid4().hex)
+    app = Celery("reaper-test", broker=redis_server.url_for(10), set_as_current=False)
+    try:
+        held = leases.acquire("alive", ttl=30)
+        claim(store, "alive", ttl=0.1, message='{"task": "t"}')
+        reaper = Reaper(app, store, leases, interval=1, lease_ttl=0.1, holder="me")
+        wait_until(lambda: store.orphans(60, 10) != [], 10, "the row's claim-time lease to end")
+        assert reaper.run_once().recovered == []
+        assert held.handle is not None
+        leases.release("alive", held.handle)
+        assert reaper.run_once().recovered == ["alive"]
+    finally:
+        leases.close()
+        app.close()

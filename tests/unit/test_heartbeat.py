@@ -1,0 +1,122 @@
+"""Lease bookkeeping and the heartbeat round, with an injected clock and a recording backend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+
+from celery_guard import Fenced, StoreUnavailable
+from celery_guard.lease.heartbeat import Heartbeat, Lease
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Backend:
+    """Renews what it is told to keep; records every call; can be made to fail."""
+
+    def __init__(self) -> None:
+        self.keep: set[str] = set()
+        self.calls: list[list[tuple[str, int]]] = []
+        self.down = False
+
+    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        pairs = list(leases)
+        self.calls.append(pairs)
+        if self.down:
+            raise StoreUnavailable("store down")
+        return {key for key, _ in pairs if key in self.keep}
+
+
+def lease(clock: Clock, key: str = "k", **options: float | None) -> Lease:
+    values: dict[str, float | None] = {"hard_deadline": None, "progress_timeout": None}
+    values.update(options)
+    return Lease(key, 7, ttl=10.0, clock=clock, **values)  # type: ignore[arg-type]
+
+
+def test_one_round_renews_every_held_lease_in_one_call() -> None:
+    clock, backend = Clock(), Backend()
+    heartbeat = Heartbeat(backend, interval=3, clock=clock)
+    first, second = lease(clock, "a"), lease(clock, "b")
+    backend.keep = {"a", "b"}
+    heartbeat._leases = {1: first, 2: second}  # held without starting the thread
+    clock.now += 3
+    heartbeat.beat()
+    assert backend.calls == [[("a", 7), ("b", 7)]]
+    assert first.valid_until == second.valid_until == 113.0
+
+
+def test_a_lease_the_backend_did_not_renew_is_fenced() -> None:
+    clock, backend = Clock(), Backend()
+    heartbeat = Heartbeat(backend, interval=3, clock=clock)
+    taken = lease(clock)
+    heartbeat._leases = {1: taken}
+    heartbeat.beat()
+    assert taken.fenced_reason is not None and "taken over" in taken.fenced_reason
+    with pytest.raises(Fenced):
+        taken.check()
+
+
+def test_an_unreachable_store_fences_only_once_the_lease_has_run_out() -> None:
+    clock, backend = Clock(), Backend()
+    backend.down = True
+    heartbeat = Heartbeat(backend, interval=3, clock=clock)
+    held = lease(clock)
+    heartbeat._leases = {1: held}
+    clock.now += 5
+    heartbeat.beat()
+    held.check()  # still within the TTL: not fenced
+    clock.now += 6
+    heartbeat.beat()
+    with pytest.raises(Fenced):
+        held.check()
+
+
+def test_renewal_stops_at_the_hard_deadline_and_the_lease_then_runs_out() -> None:
+    clock, backend = Clock(), Backend()
+    backend.keep = {"k"}
+    heartbeat = Heartbeat(backend, interval=3, clock=clock)
+    hung = lease(clock, hard_deadline=5.0)
+    heartbeat._leases = {1: hung}
+    clock.now += 3
+    heartbeat.beat()
+    assert len(backend.calls) == 1
+    clock.now += 3  # past the deadline
+    heartbeat.beat()
+    assert len(backend.calls) == 1, "no renewal past the hard deadline"
+    clock.now += 10
+    with pytest.raises(Fenced):
+        hung.check()
+
+
+def test_progress_mode_renews_only_while_the_body_reports_progress() -> None:
+    clock, backend = Clock(), Backend()
+    backend.keep = {"k"}
+    heartbeat = Heartbeat(backend, interval=3, clock=clock)
+    busy = lease(clock, progress_timeout=4.0)
+    heartbeat._leases = {1: busy}
+    for _ in range(3):
+        clock.now += 3
+        busy.progress({"rows": 10})
+        heartbeat.beat()
+    assert len(backend.calls) == 3
+    clock.now += 5  # alive, but silent past the progress timeout
+    heartbeat.beat()
+    assert len(backend.calls) == 3
+    assert busy.progress_info == {"rows": 10}
+
+
+def test_renewal_uses_the_backend_handle_not_the_fencing_token() -> None:
+    clock, backend = Clock(), Backend()
+    backend.keep = {"k"}
+    heartbeat = Heartbeat(backend, interval=3, clock=clock)
+    redis_lease = Lease("k", 7, handle=42, ttl=10.0, hard_deadline=None, progress_timeout=None)
+    heartbeat._leases = {1: redis_lease}
+    heartbeat.beat()
+    assert backend.calls == [[("k", 42)]]
