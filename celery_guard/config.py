@@ -60,7 +60,7 @@ class GuardConfig:
     #: the ``progress_timeout`` option.
     progress_timeout: float | None = None
     #: Seconds between two passes of the reaper (recovery of orphaned keys, pruning).
-    reaper_interval: float = 5.0
+    reaper_interval: float = 2.0
     #: Run the reaper in this worker (one worker at a time holds the reaper's lease).
     reaper_enabled: bool = True
 

@@ -31,7 +31,7 @@ app.conf.update(
     guard_store_url=os.environ.get("CG_STORE_URL", "sqlite:///shop.sqlite3"),
     guard_store_timeout=float(os.environ.get("CG_STORE_TIMEOUT", "2")),
     guard_lease_ttl=float(os.environ.get("CG_LEASE_TTL", "10")),
-    guard_reaper_interval=float(os.environ.get("CG_REAPER_INTERVAL", "5")),
+    guard_reaper_interval=float(os.environ.get("CG_REAPER_INTERVAL", "2")),
     guard_lease_url=os.environ.get("CG_LEASE_URL") or None,
     guard_hard_deadline=float(os.environ["CG_HARD_DEADLINE"])
     if os.environ.get("CG_HARD_DEADLINE")
