@@ -63,13 +63,17 @@ class GuardConfig:
     reaper_interval: float = 2.0
     #: Run the reaper in this worker (one worker at a time holds the reaper's lease).
     reaper_enabled: bool = True
+    #: On PostgreSQL, each worker process holds an advisory lock on a connection of its own, so
+    #: the reaper can take a dead process's keys over at once instead of after the lease TTL.
+    #: Costs one idle connection per process. Ignored on SQLite.
+    liveness_locks: bool = True
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
         _check_number("guard_lease_ttl", self.lease_ttl, minimum=0.1)
         if self.result_ttl is not None:
             _check_number("guard_result_ttl", self.result_ttl, minimum=0.0)
-        for name in ("create_tables", "reaper_enabled"):
+        for name in ("create_tables", "reaper_enabled", "liveness_locks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(
                     f"guard_{name} must be True or False, got {getattr(self, name)!r}"

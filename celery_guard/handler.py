@@ -24,6 +24,7 @@ from celery_guard.execution import Execution
 from celery_guard.keys import KeySource
 from celery_guard.lease.backends import LeaseBackend
 from celery_guard.lease.heartbeat import Heartbeat, Lease
+from celery_guard.lease.liveness import ProcessLiveness
 from celery_guard.store.base import ClaimOutcome, ClaimRequest
 from celery_guard.store.schema import KeyState
 from celery_guard.store.sql import SqlStore
@@ -85,8 +86,10 @@ class GuardHandler:
         *,
         lease_ttl: float,
         states: StateTracker | None = None,
+        liveness: ProcessLiveness | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        self.liveness = liveness
         self.store = store
         self.leases = leases
         self.heartbeat = heartbeat
@@ -116,6 +119,9 @@ class GuardHandler:
                     message=delivery.message,
                     lease_ttl=self.lease_ttl,
                     external_token=acquisition.handle,
+                    owner_lock=(
+                        self.liveness.lock_id(delivery.owner) if self.liveness is not None else None
+                    ),
                 )
             )
         except StoreError as exc:

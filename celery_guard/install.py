@@ -12,6 +12,7 @@ from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.handler import GuardHandler
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
+from celery_guard.lease.liveness import ProcessLiveness
 from celery_guard.reaper import Reaper
 from celery_guard.store.sql import SqlStore
 from celery_guard.worker import GuardStep
@@ -42,6 +43,11 @@ class GuardRuntime:
             self.heartbeat,
             lease_ttl=config.lease_ttl,
             states=self.states,
+            liveness=(
+                ProcessLiveness(self.store, recheck_after=config.lease_ttl)
+                if config.liveness_locks
+                else None
+            ),
         )
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None

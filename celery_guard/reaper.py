@@ -41,6 +41,8 @@ class ReaperReport:
     #: Orphaned keys with no stored message (arguments not JSON): left to broker redelivery.
     unrecoverable: list[str] = field(default_factory=list)
     pruned: int = 0
+    #: Keys whose owner process was found dead (liveness lock gone) and taken over early.
+    dead_owners: list[str] = field(default_factory=list)
 
 
 class Reaper:
@@ -79,6 +81,7 @@ class Reaper:
             )
             if not report.leader:
                 return report
+            self._take_over_dead_owners(report)
             now = self.store.now()
             candidates = self.store.orphans(republish_after=self.republish_after, limit=BATCH)
             # With Redis leases the row's lease time is the claim's, never renewed: a key whose
@@ -98,6 +101,22 @@ class Reaper:
                 report.pruned,
             )
         return report
+
+    def _take_over_dead_owners(self, report: ReaperReport) -> None:
+        """End the leases of keys whose owner process is gone (its liveness lock vanished)."""
+        for key, token, live in self.store.dead_owner_keys(limit=BATCH):
+            # Redis leases: drop the dead owner's lease too (value-checked, so a newer holder's
+            # lease is never touched); the row's own lease time was set at claim only.
+            dropped = not self.leases.in_store and self.leases.release(key, token)
+            ended = (live and self.store.expire_lease(key, token)) or dropped
+            if ended:
+                report.dead_owners.append(key)
+                logger.info(
+                    "celery_guard reaper: owner of key=%s token=%s is dead (liveness lock "
+                    "gone); taking over without waiting for the lease",
+                    key,
+                    token,
+                )
 
     def _recover(self, record: KeyRecord, now: float, report: ReaperReport) -> None:
         if record.message is None:

@@ -46,7 +46,9 @@ class LeaseBackend(Protocol):
         """Extend each (key, handle) lease still held; return the renewed keys."""
         ...
 
-    def release(self, key: str, handle: int | None) -> None: ...
+    def release(self, key: str, handle: int | None) -> bool:
+        """Drop the lease if ``handle`` still holds it; True when it did."""
+        ...
 
     def held(self, keys: list[str]) -> set[str]:
         """Which of ``keys`` have a live lease (the reaper skips those)."""
@@ -67,8 +69,9 @@ class SqlLeases:
     def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
         return self.store.renew_leases(leases, ttl)
 
-    def release(self, key: str, handle: int | None) -> None:
+    def release(self, key: str, handle: int | None) -> bool:
         """Nothing to do: completing or releasing the row ends its lease."""
+        return False
 
     def held(self, keys: list[str]) -> set[str]:
         # The reaper's query already keeps only rows whose lease expired.
@@ -176,13 +179,17 @@ class RedisLeases:
             raise self._unavailable(exc) from exc
         return {key for (key, _), answer in zip(pairs, answers, strict=True) if answer == 1}
 
-    def release(self, key: str, handle: int | None) -> None:
+    def release(self, key: str, handle: int | None) -> bool:
         if handle is None:
-            return
+            return False
+        client = self.client
         try:
-            self._scripts["release"](keys=[self.lease_key(key)], args=[handle], client=self.client)
+            dropped = self._scripts["release"](
+                keys=[self.lease_key(key)], args=[handle], client=client
+            )
         except redis.RedisError as exc:
             raise self._unavailable(exc) from exc
+        return bool(dropped == 1)
 
     def held(self, keys: list[str]) -> set[str]:
         if not keys:

@@ -35,6 +35,8 @@ class ClaimRequest:
     #: JSON text of what re-publishing needs, or ``None``.
     message: str | None
     lease_ttl: float
+    #: The advisory-lock id this process holds for liveness (PostgreSQL), or ``None``.
+    owner_lock: int | None = None
     #: With Redis leases: the token the lease store issued with the lease this claimant holds.
     #: Holding that lease entitles the claim to take a RUNNING row over, and the row's token
     #: becomes the larger of it and the row's next token. ``None``: the row is the lease.
@@ -52,6 +54,7 @@ class KeyRecord:
     fencing_token: int
     lease_expires_at: float | None
     owner: str | None
+    owner_lock: int | None
     claim_id: str | None
     claim_reason: str | None
     fingerprint: str | None

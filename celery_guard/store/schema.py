@@ -60,6 +60,10 @@ keys = Table(
     Column("fencing_token", BigInteger, nullable=False),
     Column("lease_expires_at", Double, nullable=True),
     Column("owner", String(255), nullable=True),
+    # The advisory-lock id the owner process holds on PostgreSQL while it lives (NULL when it
+    # holds none): a dead owner's lock vanishes with its connection, so the reaper can tell
+    # dead from slow without waiting out the lease.
+    Column("owner_lock", BigInteger, nullable=True),
     # Random per claim call: tells the claimer "this row is now yours" from the RETURNING row
     # alone, and makes a claim resent after a lost reply recognise itself.
     Column("claim_id", String(32), nullable=True),

@@ -158,6 +158,7 @@ class SqlStore:
             "p_key": request.key,
             "p_task_name": request.task_name,
             "p_owner": request.owner,
+            "p_owner_lock": request.owner_lock,
             "p_claim_id": claim_id,
             "p_fingerprint": request.fingerprint,
             "p_message": request.message,
@@ -295,6 +296,23 @@ class SqlStore:
             .values(republished_at=now)
         )
         return self._call(lambda: self._execute_single(statement))[1] == 1
+
+    def dead_owner_keys(self, limit: int) -> list[tuple[str, int, bool]]:
+        """RUNNING keys whose owner's liveness lock is gone (PostgreSQL only).
+
+        Returns (key, fencing token, whether the row's lease is still running).
+        """
+        if self.dialect_name != "postgresql":
+            return []
+        rows = self._call(
+            lambda: self._execute_single(_DEAD_OWNERS, {"p_limit": limit}, read_only=True)
+        )[0]
+        return [(row["key"], int(row["fencing_token"]), bool(row["live"])) for row in rows]
+
+    def expire_lease(self, key: str, token: int) -> bool:
+        """End a running lease now (its owner is dead), so the orphan pass takes it over."""
+        parameters = {"p_key": key, "p_token": token}
+        return self._call(lambda: self._execute_single(_EXPIRE_LEASE, parameters))[1] == 1
 
     def prune_completed(self, limit: int) -> int:
         """Delete up to ``limit`` COMPLETED keys whose retention ended; return how many."""
@@ -457,6 +475,30 @@ _RELEASE = (
 
 _GET = select(keys).where(keys.c.key == bindparam("p_key"))
 
+_EXPIRE_LEASE = (
+    update(keys)
+    .where(_owned_by_token, keys.c.lease_expires_at > db_epoch_now())
+    .values(lease_expires_at=db_epoch_now())
+)
+
+# A session-level advisory lock on a bigint shows in pg_locks as classid (high 32 bits) and
+# objid (low 32 bits) with objsubid 1; lock ids are positive, so the shift cannot overflow.
+_DEAD_OWNERS = text(
+    """
+SELECT k.key, k.fencing_token,
+       k.lease_expires_at > CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)
+           AS live
+FROM celery_guard_keys AS k
+WHERE k.state = 'RUNNING' AND k.owner_lock IS NOT NULL
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_locks AS l
+      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        AND ((l.classid::bigint << 32) | l.objid::bigint) = k.owner_lock)
+LIMIT :p_limit
+""".strip()
+)
+
 
 @functools.cache
 def _complete_statement(expires: bool) -> Any:
@@ -485,13 +527,13 @@ def _complete_statement(expires: bool) -> Any:
 # in flight or a payload conflict.
 _CLAIM_SQL = """
 INSERT INTO celery_guard_keys AS k (
-    key, task_name, state, attempts, fencing_token, lease_expires_at, owner, claim_id,
-    claim_reason, fingerprint, message, duplicates, created_at, updated_at)
+    key, task_name, state, attempts, fencing_token, lease_expires_at, owner, owner_lock,
+    claim_id, claim_reason, fingerprint, message, duplicates, created_at, updated_at)
 VALUES (
     :p_key, :p_task_name, 'RUNNING', 1, {first_token}, {now} + :p_lease_ttl, :p_owner,
-    :p_claim_id, 'NEW', :p_fingerprint, :p_message, 0, {now}, {now})
+    :p_owner_lock, :p_claim_id, 'NEW', :p_fingerprint, :p_message, 0, {now}, {now})
 ON CONFLICT (key) DO UPDATE SET (
-    state, attempts, fencing_token, lease_expires_at, owner, claim_id, claim_reason,
+    state, attempts, fencing_token, lease_expires_at, owner, owner_lock, claim_id, claim_reason,
     task_name, fingerprint, message, result, completed_at, expires_at, created_at,
     updated_at, republished_at, duplicates
 ) = (
@@ -501,6 +543,7 @@ ON CONFLICT (key) DO UPDATE SET (
         CASE WHEN d.claim THEN {next_token} ELSE k.fencing_token END,
         CASE WHEN d.claim THEN excluded.lease_expires_at ELSE k.lease_expires_at END,
         CASE WHEN d.claim THEN excluded.owner ELSE k.owner END,
+        CASE WHEN d.claim THEN excluded.owner_lock ELSE k.owner_lock END,
         CASE WHEN d.claim THEN excluded.claim_id ELSE k.claim_id END,
         CASE WHEN d.resent THEN k.claim_reason WHEN d.expired THEN 'NEW'
              WHEN d.lapsed THEN 'TAKEOVER' WHEN d.released THEN 'RETRY'
@@ -569,7 +612,7 @@ def _claim_statement(dialect_name: str, check_fingerprint: bool, external_lease:
         lapsed=lapsed,
         same=_SAME_PAYLOAD if check_fingerprint else "TRUE",
     )
-    typed = [bindparam("p_lease_ttl", type_=Double)]
+    typed = [bindparam("p_lease_ttl", type_=Double), bindparam("p_owner_lock", type_=BigInteger)]
     if external_lease:
         typed.append(bindparam("p_external_token", type_=BigInteger))
     return text(sql).bindparams(*typed)

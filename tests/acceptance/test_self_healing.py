@@ -146,6 +146,22 @@ def test_a_whole_worker_sigkilled_mid_task_is_recovered_by_the_reaper(cluster: C
     assert cluster.effects(tag) == 1
 
 
+def test_a_dead_workers_keys_are_taken_over_without_waiting_for_the_lease(
+    cluster: Cluster,
+) -> None:
+    """The liveness lock dies with the worker: recovery does not wait out a 60 s lease."""
+    lease_ttl, seconds = 60.0, 2.0
+    cluster.start(2, CG_LEASE_TTL=str(lease_ttl))
+    tag = uuid.uuid4().hex[:12]
+    result = cluster.send("shop.long_write", tag, seconds)
+    victim = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    victim.kill()
+    killed_at = time.monotonic()
+    assert result.get(timeout=60)["fencing_token"] == 2
+    assert time.monotonic() - killed_at < REAPER_INTERVAL + seconds + 8 < lease_ttl
+    assert cluster.effects(tag) == 1
+
+
 def test_a_prefork_child_sigkilled_mid_task_runs_once(cluster: Cluster) -> None:
     (worker,) = cluster.start(1)
     tag = uuid.uuid4().hex[:12]

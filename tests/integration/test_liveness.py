@@ -1,0 +1,81 @@
+"""Dead or slow: a process's advisory lock vanishes with it, and the reaper acts at once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+from celery import Celery
+
+from celery_guard import GuardConfig
+from celery_guard.lease.backends import SqlLeases
+from celery_guard.lease.liveness import ProcessLiveness, owner_lock_id
+from celery_guard.reaper import Reaper
+from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
+from tests.rig.procs import pid_alive, wait_until
+from tests.rig.servers import RedisServer
+
+
+def claim_and_hang(url: str, key: str, ready: Any) -> None:
+    store = SqlStore(GuardConfig(store_url=url))
+    owner = f"child/{os.getpid()}"
+    lock = ProcessLiveness(store, recheck_after=30).lock_id(owner)
+    outcome = store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="t",
+            fingerprint="fp",
+            check_fingerprint=True,
+            owner=owner,
+            owner_lock=lock,
+            message='{"task": "t", "args": [], "kwargs": {}, "routing_key": "q", "exchange": ""}',
+            lease_ttl=300.0,
+        )
+    ).outcome
+    ready.put((outcome.value, lock))
+    signal.pause()  # until the test kills it
+
+
+def test_a_killed_owner_is_found_dead_at_once_and_its_key_recovered(
+    pg_url: str, redis_server: RedisServer
+) -> None:
+    store = SqlStore(GuardConfig(store_url=pg_url))
+    store.ensure_schema()
+    context = multiprocessing.get_context("spawn")
+    ready = context.Queue()
+    child = context.Process(target=claim_and_hang, args=(pg_url, "k", ready), daemon=True)
+    child.start()
+    app = Celery("liveness", broker=redis_server.url_for(12), set_as_current=False)
+    try:
+        outcome, lock = ready.get(timeout=60)
+        assert outcome == ClaimOutcome.CLAIMED.value
+        assert lock == owner_lock_id(f"child/{child.pid}")
+        assert store.dead_owner_keys(limit=10) == [], "a living owner is not dead"
+        reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=300, holder="r")
+        assert reaper.run_once().recovered == [], "its 300 s lease is still running"
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(child.pid or 0), 10, "the owner to die")
+        report: list[Any] = []
+        wait_until(
+            lambda: report.append(reaper.run_once()) or report[-1].recovered == ["k"],
+            timeout=10,
+            what="the dead owner's key to be recovered without waiting for its lease",
+        )
+        assert any("k" in r.dead_owners for r in report)
+    finally:
+        child.kill()
+        child.join(timeout=10)
+        ready.close()
+        ready.join_thread()
+        app.close()
+        store.dispose()
+
+
+def test_liveness_is_a_no_op_on_sqlite(sqlite_url: str) -> None:
+    store = SqlStore(GuardConfig(store_url=sqlite_url))
+    assert ProcessLiveness(store, recheck_after=10).lock_id("w/1") is None
+    assert store.dead_owner_keys(limit=10) == []
+    store.dispose()
