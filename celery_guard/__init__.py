@@ -7,14 +7,17 @@ database once per idempotency key, however often its message is delivered.
 from celery_guard.config import GuardConfig
 from celery_guard.errors import (
     ConfigurationError,
+    DeadLettered,
     Fenced,
     GuardError,
     IdempotencyConflict,
     InFlightElsewhere,
     InvalidIdempotencyKey,
+    PermanentError,
     ResultNotSerializable,
     StoreError,
     StoreUnavailable,
+    TransientError,
     UnserializableArguments,
 )
 from celery_guard.execution import Execution
@@ -29,6 +32,7 @@ __all__ = [
     "BY_ARGUMENTS",
     "MAX_KEY_LENGTH",
     "ConfigurationError",
+    "DeadLettered",
     "Execution",
     "Fenced",
     "GuardConfig",
@@ -38,9 +42,11 @@ __all__ = [
     "IdempotencyConflict",
     "InFlightElsewhere",
     "InvalidIdempotencyKey",
+    "PermanentError",
     "ResultNotSerializable",
     "StoreError",
     "StoreUnavailable",
+    "TransientError",
     "UnserializableArguments",
     "__version__",
     "get_runtime",

@@ -16,6 +16,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from celery_guard.errors import ConfigurationError
+from celery_guard.policy import ErrorClass, ErrorPolicy, import_classes
 
 CONFIG_PREFIX = "guard_"
 
@@ -67,6 +68,20 @@ class GuardConfig:
     #: the reaper can take a dead process's keys over at once instead of after the lease TTL.
     #: Costs one idle connection per process. Ignored on SQLite.
     liveness_locks: bool = True
+    #: Executions a key may have (claims, counted in the store so crashes count too) before it
+    #: is dead-lettered. Per task: ``max_attempts``.
+    max_attempts: int = 5
+    #: Full-jitter backoff: retry n waits random(0, min(backoff_max, backoff_base * 2**n)) s.
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    #: Exception classes (or "module:Name" strings) to retry / to dead-letter at once, app-wide.
+    #: Per task: ``transient_errors`` / ``permanent_errors``, consulted first.
+    transient_errors: Any = ()
+    permanent_errors: Any = ()
+    #: Class of an exception nothing declares or recognises: "transient" or "permanent".
+    default_error_class: str = "transient"
+    #: Durable broker queue dead letters are also published to (nothing consumes it).
+    dead_letter_queue: str = "celery_guard.dead_letters"
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
@@ -82,6 +97,27 @@ class GuardConfig:
             if getattr(self, name) is not None:
                 _check_number(f"guard_{name}", getattr(self, name), minimum=0.01)
         _check_number("guard_reaper_interval", self.reaper_interval, minimum=0.01)
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ConfigurationError(
+                f"guard_max_attempts must be an integer, got {self.max_attempts!r}"
+            )
+        if self.max_attempts < 1:
+            raise ConfigurationError(
+                f"guard_max_attempts must be at least 1, got {self.max_attempts}"
+            )
+        _check_number("guard_backoff_base", self.backoff_base, minimum=0.0)
+        _check_number("guard_backoff_max", self.backoff_max, minimum=0.0)
+        if self.default_error_class not in ("transient", "permanent"):
+            raise ConfigurationError(
+                "guard_default_error_class must be 'transient' or 'permanent', got "
+                f"{self.default_error_class!r}"
+            )
+        if not isinstance(self.dead_letter_queue, str) or not self.dead_letter_queue:
+            raise ConfigurationError(
+                f"guard_dead_letter_queue must be a queue name, got {self.dead_letter_queue!r}"
+            )
+        for name in ("transient_errors", "permanent_errors"):
+            object.__setattr__(self, name, import_classes(f"guard_{name}", getattr(self, name)))
         if self.lease_url is not None and (
             not isinstance(self.lease_url, str)
             or not self.lease_url.startswith(("redis://", "rediss://", "unix://"))
@@ -113,6 +149,14 @@ class GuardConfig:
                 raise ConfigurationError(f"unknown celery_guard setting {raw_key!r}{suggestion}")
             values[known[key]] = conf[raw_key]
         return cls(**values)
+
+    @property
+    def error_policy(self) -> ErrorPolicy:
+        """The app-wide classification (tasks add their own layer in front)."""
+        return ErrorPolicy(
+            layers=((self.transient_errors, self.permanent_errors),),
+            default=ErrorClass(self.default_error_class),
+        )
 
     @property
     def renew_interval(self) -> float:

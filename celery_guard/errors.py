@@ -11,6 +11,17 @@ class GuardError(Exception):
     """Root of every error celery_guard raises on purpose."""
 
 
+class TransientError(Exception):
+    """Base for your own errors that are worth retrying (a timeout, a busy dependency)."""
+
+
+class PermanentError(Exception):
+    """Base for your own errors that will fail again (validation, not found, a business rule).
+
+    A guarded task raising one is dead-lettered at once, without retries.
+    """
+
+
 class ConfigurationError(GuardError, ValueError):
     """A ``guard_*`` setting or a per-task guard option has a wrong value; the message names it."""
 
@@ -91,3 +102,18 @@ class InFlightElsewhere(GuardError):
 
     def __str__(self) -> str:
         return f"idempotency key {self.key!r} is being run by another execution right now"
+
+
+class DeadLettered(GuardError):
+    """The key is dead-lettered: this delivery did not run it. An operator's replay revives it.
+
+    Raised for a delivery that finds its key DEAD, and for a poison pill stopped at claim.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key, reason)
+        self.key = key
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"idempotency key {self.key!r} is dead-lettered ({self.reason}); not run"

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import random
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from celery_guard import serialization, signals
+from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import (
+    DeadLettered,
     Fenced,
     GuardError,
     IdempotencyConflict,
@@ -25,7 +28,8 @@ from celery_guard.keys import KeySource
 from celery_guard.lease.backends import LeaseBackend
 from celery_guard.lease.heartbeat import Heartbeat, Lease
 from celery_guard.lease.liveness import ProcessLiveness
-from celery_guard.store.base import ClaimOutcome, ClaimRequest
+from celery_guard.policy import Decision, ErrorClass, ErrorPolicy, decide
+from celery_guard.store.base import ClaimOutcome, ClaimRequest, DeadLetter
 from celery_guard.store.schema import KeyState
 from celery_guard.store.sql import SqlStore
 from celery_guard.worker_state import StateTracker
@@ -57,6 +61,24 @@ class Delivery:
     hard_deadline: float | None = None
     #: Progress mode: seconds without ``self.guard.progress()`` before renewal stops.
     progress_timeout: float | None = None
+    #: The Celery task id (for dead letters).
+    task_id: str | None = None
+    #: Classifies the task's errors (``GuardedTask.classify_error``).
+    classify: Callable[[BaseException], ErrorClass] = ErrorPolicy().classify
+    #: Executions the key may have before it is dead-lettered.
+    max_attempts: int = 5
+    #: Exceptions Celery's own ``autoretry_for`` retries for this task: when one escapes the
+    #: body, Celery's retries are spent, so it is dead-lettered rather than retried again.
+    celery_retries_for: tuple[type[BaseException], ...] = ()
+
+
+class RetryLater(GuardError):
+    """The body failed transiently: the task must be retried (same id and key) after ``delay``."""
+
+    def __init__(self, delay: float, attempts: int) -> None:
+        self.delay = delay
+        self.attempts = attempts
+        super().__init__(f"retry in {delay:.2f}s after attempt {attempts}")
 
 
 class DeliveryDeferred(GuardError):
@@ -85,11 +107,20 @@ class GuardHandler:
         heartbeat: Heartbeat,
         *,
         lease_ttl: float,
+        dead_letters: DeadLetterSink | None = None,
+        backoff_base: float = 1.0,
+        backoff_max: float = 60.0,
+        control_flow: tuple[type[BaseException], ...] = (),
         states: StateTracker | None = None,
         liveness: ProcessLiveness | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.liveness = liveness
+        self.dead_letters = dead_letters
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        #: Exceptions that steer Celery (Retry, Ignore, Reject): the key is released, no policy.
+        self.control_flow = control_flow
         self.store = store
         self.leases = leases
         self.heartbeat = heartbeat
@@ -132,6 +163,9 @@ class GuardHandler:
         record = claim.record
         if claim.outcome is not ClaimOutcome.CLAIMED:
             self._release_lease(delivery.key, acquisition.handle)
+        if claim.outcome is ClaimOutcome.DEAD:
+            self._emit(task, delivery.key, signals.DEAD_LETTER_SKIPPED, record.fencing_token)
+            raise DeadLettered(delivery.key, "dead-lettered earlier; replay it to run it again")
         if claim.outcome is ClaimOutcome.CONFLICT:
             self._emit(task, delivery.key, signals.PAYLOAD_CONFLICT)
             raise IdempotencyConflict(delivery.key, record.task_name, delivery.task_name)
@@ -144,6 +178,27 @@ class GuardHandler:
             raise DeliveryDeferred(
                 f"key {delivery.key!r} is in flight on {record.owner}", countdown
             )
+
+        if record.attempts > delivery.max_attempts:
+            # Counting at claim catches what no error handler sees: a body that kills its own
+            # process every time (segfault, os._exit, the OOM killer).
+            self._release_lease(delivery.key, acquisition.handle)
+            reason = (
+                f"attempt limit ({delivery.max_attempts}) reached at claim: the earlier "
+                "executions ended without reporting (a poison pill that kills its process?)"
+            )
+            self._dead_letter(
+                task,
+                delivery,
+                record.fencing_token,
+                attempts=record.attempts - 1,
+                error_class="poison",
+                error_type="AttemptLimitReached",
+                error=record.last_error or "the worker process died during every attempt",
+                traceback_text=None,
+                reason=reason,
+            )
+            raise DeadLettered(delivery.key, reason)
 
         lease = Lease(
             delivery.key,
@@ -186,7 +241,7 @@ class GuardHandler:
             value = body(execution)
         except BaseException as exc:
             execution.abort()
-            self._release(task, execution, exc)
+            self._fail(task, delivery, execution, exc)
             raise
         try:
             result = serialization.dumps(value)
@@ -196,7 +251,7 @@ class GuardHandler:
                 f"{delivery.task_name} returned {type(value).__name__}, which cannot be stored "
                 f"as JSON; nothing was committed ({exc})"
             )
-            self._release(task, execution, error)
+            self._fail(task, delivery, execution, error)
             raise error from exc
         try:
             execution.finish(result, delivery.retention)
@@ -216,6 +271,118 @@ class GuardHandler:
             task, delivery.key, signals.COMPLETED, execution.fencing_token, execution.attempts
         )
         return value
+
+    def _fail(
+        self, task: Any, delivery: Delivery, execution: Execution, exc: BaseException
+    ) -> None:
+        """Apply the failure policy to an exception that escaped the body.
+
+        Returns when the caller should re-raise ``exc`` (released or dead-lettered); raises
+        :class:`RetryLater` or :class:`DeliveryDeferred` when the delivery must come back.
+        """
+        if (
+            isinstance(exc, self.control_flow)
+            or not isinstance(exc, Exception)
+            or isinstance(exc, Fenced)
+            or execution.fenced
+        ):
+            self._release(task, execution, exc)
+            return
+        assert execution.key is not None and execution.fencing_token is not None
+        if isinstance(exc, StoreError):
+            # Coordination: not the task's fault, and no attempt is charged to the policy.
+            self._release(task, execution, exc)
+            raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
+        error_class = delivery.classify(exc)
+        if delivery.celery_retries_for and isinstance(exc, delivery.celery_retries_for):
+            decision = Decision(
+                "dead_letter", error_class, reason="Celery's own retries (autoretry_for) are spent"
+            )
+        else:
+            decision = decide(
+                error_class,
+                attempts=execution.attempts,
+                max_attempts=delivery.max_attempts,
+                base=self.backoff_base,
+                cap=self.backoff_max,
+                rng=self._random,
+            )
+        if decision.action == "retry" and decision.delay is not None:
+            self._release(task, execution, exc)
+            self._emit(
+                task,
+                execution.key,
+                signals.RETRIED,
+                execution.fencing_token,
+                execution.attempts,
+                delay=decision.delay,
+                error_class=error_class.value,
+            )
+            raise RetryLater(decision.delay, execution.attempts) from exc
+        self._dead_letter(
+            task,
+            delivery,
+            execution.fencing_token,
+            attempts=execution.attempts,
+            error_class=error_class.value,
+            error_type=type(exc).__name__,
+            error=str(exc)[:MAX_ERROR_TEXT] or type(exc).__name__,
+            traceback_text="".join(traceback.format_exception(exc))[:20_000],
+            reason=decision.reason,
+        )
+
+    def _dead_letter(
+        self,
+        task: Any,
+        delivery: Delivery,
+        token: int,
+        *,
+        attempts: int,
+        error_class: str,
+        error_type: str,
+        error: str,
+        traceback_text: str | None,
+        reason: str,
+    ) -> None:
+        letter = DeadLetter(
+            key=delivery.key,
+            task_name=delivery.task_name,
+            task_id=delivery.task_id,
+            message=delivery.message,
+            error_class=error_class,
+            error_type=error_type,
+            error=error,
+            traceback=traceback_text,
+            reason=reason,
+            attempts=attempts,
+        )
+        if self.dead_letters is None:
+            self.store.dead_letter(token, letter)
+        else:
+            try:
+                letter = self.dead_letters.send(token, letter)
+            except (StoreError, Fenced) as exc:
+                # Not recorded: the key stays RUNNING and its lease expires, so the delivery
+                # comes back (reaper) and the policy runs again; nothing is lost.
+                logger.error("celery_guard could not dead-letter key=%s: %s", delivery.key, exc)
+                return
+        logger.warning(
+            "celery_guard dead-lettered key=%s id=%s class=%s attempts=%s: %s",
+            delivery.key,
+            letter.id,
+            error_class,
+            attempts,
+            reason,
+        )
+        self._emit(
+            task,
+            delivery.key,
+            signals.DEAD_LETTERED,
+            token,
+            attempts,
+            error_class=error_class,
+            reason=reason,
+        )
 
     def _release_lease(self, key: str, handle: int | None) -> None:
         """Best effort: a lease that is not released expires on its own."""
@@ -273,7 +440,13 @@ class GuardHandler:
         outcome: str,
         fencing_token: int | None = None,
         attempts: int | None = None,
+        **extra: Any,
     ) -> None:
         signals.outcome.send(
-            sender=task, key=key, outcome=outcome, fencing_token=fencing_token, attempts=attempts
+            sender=task,
+            key=key,
+            outcome=outcome,
+            fencing_token=fencing_token,
+            attempts=attempts,
+            **extra,
         )

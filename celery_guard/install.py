@@ -6,8 +6,10 @@ import logging
 from typing import Any
 
 from celery import Celery, signals
+from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guard.config import GuardConfig
+from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.handler import GuardHandler
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
@@ -37,11 +39,16 @@ class GuardRuntime:
         )
         self.heartbeat = Heartbeat(self.leases, interval=config.renew_interval)
         self.states = StateTracker()
+        self.dead_letters = DeadLetterSink(app, self.store, config.dead_letter_queue)
         self.handler = GuardHandler(
             self.store,
             self.leases,
             self.heartbeat,
             lease_ttl=config.lease_ttl,
+            dead_letters=self.dead_letters,
+            backoff_base=config.backoff_base,
+            backoff_max=config.backoff_max,
+            control_flow=(Retry, Ignore, Reject),
             states=self.states,
             liveness=(
                 ProcessLiveness(self.store, recheck_after=config.lease_ttl)

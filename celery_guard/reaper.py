@@ -19,6 +19,7 @@ from typing import Any
 from celery_guard import serialization
 from celery_guard.errors import StoreError
 from celery_guard.lease.backends import LeaseBackend
+from celery_guard.republish import republish
 from celery_guard.store.base import KeyRecord
 from celery_guard.store.sql import SqlStore
 
@@ -133,7 +134,7 @@ class Reaper:
         # Mark first: if two reapers ever overlap, only the one whose mark landed publishes.
         if not self.store.mark_republished(record.key, record.fencing_token, self.republish_after):
             return
-        self._publish(serialization.loads(record.message))
+        republish(self.app, serialization.loads(record.message))
         orphaned_for = max(0.0, now - (record.lease_expires_at or now))
         report.recovered.append(record.key)
         report.orphaned_for.append(orphaned_for)
@@ -143,25 +144,6 @@ class Reaper:
             record.fencing_token,
             record.owner,
             orphaned_for,
-        )
-
-    def _publish(self, message: dict[str, Any]) -> None:
-        options: dict[str, Any] = {"headers": message.get("headers") or {}}
-        exchange, routing_key = message.get("exchange"), message.get("routing_key")
-        if not exchange and routing_key:
-            # Sent to the default exchange: the routing key is the queue (as Celery's retry does).
-            options["queue"] = routing_key
-        elif exchange:
-            options["exchange"] = exchange
-            options["routing_key"] = routing_key
-        if message.get("priority") is not None:
-            options["priority"] = message["priority"]
-        self.app.send_task(
-            message["task"],
-            args=message.get("args") or [],
-            kwargs=message.get("kwargs") or {},
-            task_id=message.get("id"),
-            **options,
         )
 
     # -- running in a worker's main process ---------------------------------------------------

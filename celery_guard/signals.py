@@ -25,6 +25,14 @@ PAYLOAD_CONFLICT: Final = "payload_conflict"
 FENCED: Final = "fenced"
 #: The body raised (an error, retry() or replace()); the key was released for the next delivery.
 RELEASED: Final = "released"
+#: The body failed transiently; the task is retried after a full-jitter delay. Extra keyword
+#: arguments: ``delay`` (seconds) and ``error_class``.
+RETRIED: Final = "retried"
+#: Dead-lettered (permanent error, attempts exhausted, poison pill). Extra: ``error_class``,
+#: ``reason``.
+DEAD_LETTERED: Final = "dead_lettered"
+#: The key was dead-lettered earlier: this delivery did not run.
+DEAD_LETTER_SKIPPED: Final = "dead_letter_skipped"
 
 OUTCOMES: Final = (
     COMPLETED,
@@ -34,6 +42,9 @@ OUTCOMES: Final = (
     PAYLOAD_CONFLICT,
     FENCED,
     RELEASED,
+    RETRIED,
+    DEAD_LETTERED,
+    DEAD_LETTER_SKIPPED,
 )
 
 outcome = Signal(name="celery_guard.outcome")

@@ -13,7 +13,7 @@ from celery.exceptions import Reject, Retry
 from celery_guard.config import GuardConfig, check_ttl_option
 from celery_guard.errors import ConfigurationError, GuardError, InFlightElsewhere, StoreError
 from celery_guard.execution import Execution
-from celery_guard.handler import Delivery, DeliveryDeferred
+from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater
 from celery_guard.install import get_runtime
 from celery_guard.keys import (
     KeyOption,
@@ -25,6 +25,7 @@ from celery_guard.keys import (
     payload_fingerprint,
     validate_key,
 )
+from celery_guard.policy import ErrorClass, import_classes
 
 #: Message headers celery_guard sets; prefixed so they never shadow a Celery ``Context`` field.
 HEADER_KEY = "guard_idempotency_key"
@@ -42,7 +43,16 @@ class _Unset:
 _UNSET: Any = _Unset()
 
 #: Per-task options GuardedTask understands (``@app.task(base=GuardedTask, <option>=...)``).
-TASK_OPTIONS = frozenset({"idempotency_key", "idempotency_ttl", "progress_timeout"})
+TASK_OPTIONS = frozenset(
+    {
+        "idempotency_key",
+        "idempotency_ttl",
+        "progress_timeout",
+        "max_attempts",
+        "transient_errors",
+        "permanent_errors",
+    }
+)
 _OPTION_PREFIXES = ("idempotency_", "guard_")
 
 
@@ -61,6 +71,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     ``progress_timeout``
         Progress mode: the lease stops being renewed when the body has not called
         ``self.guard.progress()`` for this many seconds. Default: ``guard_progress_timeout``.
+    ``max_attempts``
+        Executions the key may have before it is dead-lettered. Default: ``guard_max_attempts``.
+    ``transient_errors`` / ``permanent_errors``
+        Exception classes to retry / to dead-letter at once, consulted before the app's.
+
+    Override :meth:`classify_error` to decide yourself.
     """
 
     #: A killed worker's message must come back: acknowledge only after the body ran, and
@@ -71,6 +87,9 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     idempotency_key: ClassVar[KeyOption] = None
     idempotency_ttl: ClassVar[Any] = _UNSET
     progress_timeout: ClassVar[Any] = _UNSET
+    max_attempts: ClassVar[Any] = _UNSET
+    transient_errors: ClassVar[Any] = ()
+    permanent_errors: ClassVar[Any] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -95,6 +114,16 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             value = cls.__dict__.get(option, _UNSET)
             if value is not _UNSET:
                 check_ttl_option(f"task {name}: {option}", value)
+        attempts = cls.__dict__.get("max_attempts", _UNSET)
+        if attempts is not _UNSET and (
+            isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
+        ):
+            raise ConfigurationError(
+                f"task {name}: max_attempts must be an integer >= 1, got {attempts!r}"
+            )
+        for option in ("transient_errors", "permanent_errors"):
+            if option in cls.__dict__:
+                setattr(cls, option, import_classes(f"task {name}: {option}", cls.__dict__[option]))
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -156,6 +185,14 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             )
         except DeliveryDeferred as deferred:
             raise self._defer(delivery, deferred) from None
+        except RetryLater as later:
+            # Celery's own retry: same task id and key, retries + 1. The attempt limit is
+            # celery_guard's (counted in the store), so Celery's max_retries must not stop it.
+            raise self.retry(
+                exc=later.__cause__,
+                countdown=later.delay,
+                max_retries=request.retries + 1,
+            ) from None
 
     def _run_body(self, execution: Execution, args: Any, kwargs: Any) -> Any:
         request = self.request
@@ -221,9 +258,22 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             progress_timeout=(
                 config.progress_timeout if progress_timeout is _UNSET else progress_timeout
             ),
+            task_id=request.id,
+            classify=self.classify_error,
+            max_attempts=config.max_attempts if self.max_attempts is _UNSET else self.max_attempts,
+            celery_retries_for=tuple(getattr(self, "autoretry_for", ()) or ()),
             owner=f"{request.hostname or socket.gethostname()}/{os.getpid()}",
             deferrals=int(headers.get(HEADER_DEFERRALS) or 0),
         )
+
+    def classify_error(self, exc: BaseException) -> ErrorClass:
+        """Transient (retry), permanent (dead-letter now) or coordination; override to decide.
+
+        The default consults the task's ``transient_errors``/``permanent_errors``, then the
+        app's ``guard_*`` lists, then an HTTP status on the error, then the documented defaults.
+        """
+        policy = get_runtime(self.app).config.error_policy
+        return policy.with_layer(self.transient_errors, self.permanent_errors).classify(exc)
 
     def _key_from_option(self, args: Any, kwargs: Any) -> str | None:
         return key_from_option(

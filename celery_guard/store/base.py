@@ -18,6 +18,8 @@ class ClaimOutcome(str, enum.Enum):
     IN_FLIGHT = "in_flight"
     #: The key belongs to a different payload: refuse, never skip silently.
     CONFLICT = "conflict"
+    #: The key is dead-lettered: do not run until an operator replays it.
+    DEAD = "dead"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,3 +83,30 @@ class ClaimResult:
     record: KeyRecord
     #: Seconds left on the current owner's lease (negative when it has expired).
     lease_remaining: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadLetter:
+    """A dead letter as stored (``id`` and ``created_at`` are set by the store)."""
+
+    key: str
+    task_name: str
+    task_id: str | None
+    message: str | None
+    #: "transient" (attempts exhausted), "permanent", or "poison" (stopped at claim).
+    error_class: str
+    error_type: str
+    error: str
+    traceback: str | None
+    reason: str
+    attempts: int
+    id: int | None = None
+    created_at: float | None = None
+    replayed_at: float | None = None
+
+    @classmethod
+    def from_mapping(cls, row: Any) -> DeadLetter:
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}

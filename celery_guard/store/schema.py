@@ -40,6 +40,9 @@ class KeyState(str, enum.Enum):
     #: The last execution ended without completing (an error, ``retry()``, ``replace()``); the
     #: next delivery may claim it.
     RELEASED = "RELEASED"
+    #: Dead-lettered (a permanent error, exhausted attempts, a poison pill): final until an
+    #: operator replays it.
+    DEAD = "DEAD"
 
 
 class ClaimReason(str, enum.Enum):
@@ -85,6 +88,29 @@ keys = Table(
     Index("ix_celery_guard_keys_expires_at", "expires_at"),
 )
 
+
+#: Dead letters: what failed, why, and everything needed to replay it.
+dead_letters = Table(
+    "celery_guard_dead_letters",
+    metadata,
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
+    Column("key", String(MAX_KEY_LENGTH), nullable=False),
+    Column("task_name", String(255), nullable=False),
+    Column("task_id", String(255), nullable=True),
+    # JSON of the original message: task, id, args, kwargs, headers, routing.
+    Column("message", Text, nullable=True),
+    Column("error_class", String(16), nullable=False),
+    Column("error_type", String(255), nullable=False),
+    Column("error", Text, nullable=False),
+    Column("traceback", Text, nullable=True),
+    Column("reason", Text, nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("created_at", Double, nullable=False),
+    Column("replayed_at", Double, nullable=True),
+    Index("ix_celery_guard_dead_letters_task_created", "task_name", "created_at"),
+)
 
 #: Leases that elect one holder across the cluster (the reaper's, for one).
 leaders = Table(

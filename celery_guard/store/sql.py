@@ -14,6 +14,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -28,6 +29,7 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    insert,
     or_,
     select,
     text,
@@ -40,10 +42,17 @@ from sqlalchemy.engine import make_url
 
 from celery_guard.config import GuardConfig
 from celery_guard.errors import Fenced, StoreError, StoreUnavailable
-from celery_guard.store.base import ClaimOutcome, ClaimRequest, ClaimResult, KeyRecord
+from celery_guard.store.base import (
+    ClaimOutcome,
+    ClaimRequest,
+    ClaimResult,
+    DeadLetter,
+    KeyRecord,
+)
 from celery_guard.store.schema import (
     KeyState,
     db_epoch_now,
+    dead_letters,
     keys,
     leaders,
     metadata,
@@ -59,6 +68,7 @@ _SQLITE_READ_ONLY = "celery_guard_read_only"
 RUNNING = KeyState.RUNNING.value
 COMPLETED = KeyState.COMPLETED.value
 RELEASED = KeyState.RELEASED.value
+DEAD = KeyState.DEAD.value
 
 
 class SqlStore:
@@ -224,6 +234,77 @@ class SqlStore:
         )
         rows = self._call(lambda: self._execute_single(statement))[0]
         return {row["key"] for row in rows}
+
+    # -- dead letters ---------------------------------------------------------------------------
+
+    def dead_letter(self, token: int, letter: DeadLetter) -> DeadLetter:
+        """Mark the key DEAD (if ``token`` still owns it) and store the letter, atomically."""
+        engine = self._ready_engine()
+
+        def write() -> DeadLetter:
+            with engine.begin() as connection:
+                owned = connection.execute(
+                    _MARK_DEAD, {"p_key": letter.key, "p_token": token, "p_error": letter.error}
+                ).rowcount
+                if owned != 1:
+                    raise Fenced(letter.key, token)
+                values = {k: v for k, v in letter.as_dict().items() if k not in _GENERATED}
+                row = connection.execute(
+                    insert(dead_letters)
+                    .values(**values, created_at=db_epoch_now())
+                    .returning(dead_letters.c.id, dead_letters.c.created_at)
+                ).one()
+            return replace(letter, id=int(row.id), created_at=float(row.created_at))
+
+        return self._call(write)
+
+    def list_dead_letters(
+        self, *, task_name: str | None = None, since: float | None = None, limit: int = 50
+    ) -> list[DeadLetter]:
+        """Dead letters, newest first."""
+        statement = select(dead_letters).order_by(dead_letters.c.id.desc()).limit(limit)
+        if task_name is not None:
+            statement = statement.where(dead_letters.c.task_name == task_name)
+        if since is not None:
+            statement = statement.where(dead_letters.c.created_at >= since)
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return [DeadLetter.from_mapping(row) for row in rows]
+
+    def get_dead_letter(self, letter_id: int) -> DeadLetter | None:
+        statement = select(dead_letters).where(dead_letters.c.id == letter_id)
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return DeadLetter.from_mapping(rows[0]) if rows else None
+
+    def revive(self, letter_id: int) -> DeadLetter | None:
+        """Mark a dead letter replayed and make its key claimable with fresh attempts.
+
+        Returns the letter when this call revived it; ``None`` when it was replayed already (a
+        replay is itself idempotent).
+        """
+        engine = self._ready_engine()
+
+        def write() -> DeadLetter | None:
+            with engine.begin() as connection:
+                row = connection.execute(
+                    update(dead_letters)
+                    .where(dead_letters.c.id == letter_id, dead_letters.c.replayed_at.is_(None))
+                    .values(replayed_at=db_epoch_now())
+                    .returning(*dead_letters.c)
+                ).one_or_none()
+                if row is None:
+                    return None
+                letter = DeadLetter.from_mapping(row._mapping)
+                connection.execute(_REVIVE_KEY, {"p_key": letter.key})
+            return letter
+
+        return self._call(write)
+
+    def purge_dead_letters(self, before: float | None = None) -> int:
+        """Delete dead letters (created before ``before``, when given); return how many."""
+        statement = delete(dead_letters)
+        if before is not None:
+            statement = statement.where(dead_letters.c.created_at < before)
+        return self._call(lambda: self._execute_single(statement))[1]
 
     # -- the reaper's primitives ----------------------------------------------------------------
 
@@ -399,6 +480,8 @@ def _upsert(dialect_name: str, table: Any) -> Any:
 def _classify(record: KeyRecord, request: ClaimRequest, claim_id: str) -> ClaimOutcome:
     if record.claim_id == claim_id and record.state == RUNNING:
         return ClaimOutcome.CLAIMED
+    if record.state == DEAD:
+        return ClaimOutcome.DEAD
     if (
         request.check_fingerprint
         and record.fingerprint is not None
@@ -474,6 +557,26 @@ _RELEASE = (
 )
 
 _GET = select(keys).where(keys.c.key == bindparam("p_key"))
+
+_MARK_DEAD = (
+    update(keys)
+    .where(_owned_by_token)
+    .values(
+        state=DEAD,
+        lease_expires_at=None,
+        last_error=bindparam("p_error"),
+        updated_at=db_epoch_now(),
+    )
+)
+
+# A replayed key starts over: attempts count again from the replay.
+_REVIVE_KEY = (
+    update(keys)
+    .where(keys.c.key == bindparam("p_key"), keys.c.state == DEAD)
+    .values(state=RELEASED, attempts=0, updated_at=db_epoch_now())
+)
+
+_GENERATED = frozenset({"id", "created_at", "replayed_at"})
 
 _EXPIRE_LEASE = (
     update(keys)

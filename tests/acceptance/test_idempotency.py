@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -123,22 +122,6 @@ def test_a_body_that_writes_then_raises_leaves_nothing_and_its_retry_writes_once
     assert (record.state, record.attempts, record.claim_reason) == ("COMPLETED", 3, "RETRY")
 
 
-def test_a_failed_task_leaves_no_row_and_a_later_send_of_its_key_runs(
-    shop: ModuleType, shop_workers: list[WorkerProcess], shop_env: dict[str, str], tag: str
-) -> None:
-    marker = Path(shop_env["CG_MARKER_DIR"]) / tag
-    marker.touch()
-    with pytest.raises(RuntimeError, match="marker present"):
-        shop.fail_once_by_tag.delay(tag).get(timeout=RESULT_TIMEOUT)
-    assert effect_count(shop, tag) == 0
-    record = key_record(shop, f"fail:{tag}")
-    assert record is not None and record.state == "RELEASED"
-    assert record.last_error is not None and "marker present" in record.last_error
-    marker.unlink()
-    assert shop.fail_once_by_tag.delay(tag).get(timeout=RESULT_TIMEOUT) == tag
-    assert effect_count(shop, tag) == 1
-
-
 def test_an_in_flight_duplicate_is_deferred_and_answers_with_the_stored_result(
     shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
 ) -> None:
@@ -185,7 +168,7 @@ def test_an_unserializable_result_is_refused_and_nothing_is_committed(
         shop.unserializable_result.delay(tag).get(timeout=RESULT_TIMEOUT)
     assert effect_count(shop, tag) == 0
     record = key_record(shop, f"unser:{tag}")
-    assert record is not None and record.state == "RELEASED"
+    assert record is not None and record.state == "DEAD", "a permanent error: dead-lettered"
 
 
 def test_bad_keys_and_arguments_fail_in_the_caller_before_anything_is_sent(

@@ -16,9 +16,10 @@ from sqlalchemy import insert
 
 import celery_guard
 from celery_guard import BY_ARGUMENTS
-from tests.apps.shop_tables import effects, metadata
+from celery_guard import signals as guard_signals
+from tests.apps.shop_tables import effects, metadata, retry_log
 
-__all__ = ["app", "effects", "metadata"]
+__all__ = ["app", "effects", "metadata", "retry_log"]
 
 app = Celery(
     "shop",
@@ -33,6 +34,10 @@ app.conf.update(
     guard_lease_ttl=float(os.environ.get("CG_LEASE_TTL", "10")),
     guard_reaper_interval=float(os.environ.get("CG_REAPER_INTERVAL", "2")),
     guard_lease_url=os.environ.get("CG_LEASE_URL") or None,
+    guard_backoff_base=float(os.environ.get("CG_BACKOFF_BASE", "0.05")),
+    guard_backoff_max=float(os.environ.get("CG_BACKOFF_MAX", "1")),
+    guard_max_attempts=int(os.environ.get("CG_MAX_ATTEMPTS", "5")),
+    guard_dead_letter_queue=os.environ.get("CG_DEAD_LETTER_QUEUE", "celery_guard.dead_letters"),
     guard_hard_deadline=float(os.environ["CG_HARD_DEADLINE"])
     if os.environ.get("CG_HARD_DEADLINE")
     else None,
@@ -48,6 +53,20 @@ app.conf.update(
     result_expires=600,
 )
 celery_guard.install(app)
+
+
+@guard_signals.outcome.connect
+def record_retry(sender: Any = None, **event: Any) -> None:
+    """Keep every retry's delay, so tests can check each against its jitter bound."""
+    if event.get("outcome") != guard_signals.RETRIED:
+        return
+    engine = celery_guard.get_runtime(app).store.engine
+    with engine.begin() as connection:
+        connection.execute(
+            insert(retry_log).values(
+                idempotency_key=event["key"], attempt=event["attempts"], delay=event["delay"]
+            )
+        )
 
 
 def write_effect(task: Any, tag: str) -> None:
@@ -111,15 +130,6 @@ def write_then_fail(self: Any, tag: str, failures: int) -> int:
     return int(self.request.retries)
 
 
-@app.task(name="shop.fail_once_by_tag", bind=True, idempotency_key="fail:{tag}")
-def fail_once_by_tag(self: Any, tag: str) -> str:
-    """Writes, then raises while the marker file exists (no retry: the task fails)."""
-    write_effect(self, tag)
-    if os.path.exists(os.path.join(os.environ.get("CG_MARKER_DIR", "/nonexistent"), tag)):
-        raise RuntimeError("marker present: failing after the write")
-    return tag
-
-
 @app.task(name="shop.long_write", bind=True, idempotency_key="long:{tag}")
 def long_write(self: Any, tag: str, seconds: float) -> dict[str, Any]:
     """Works for ``seconds``, then writes its effect: a task a worker can die in the middle of."""
@@ -138,6 +148,38 @@ def hang_first_attempt(self: Any, tag: str) -> int:
         reader.recv(1)  # nothing is ever written: blocks until the process dies
     write_effect(self, tag)
     return int(self.guard.attempts)
+
+
+@app.task(name="shop.flaky", bind=True, idempotency_key="flaky:{tag}")
+def flaky(self: Any, tag: str, failures: int) -> int:
+    """Raises a connection error (transient) on its first ``failures`` attempts."""
+    with self.guard.transaction() as connection:
+        connection.execute(insert(effects).values(tag=tag, idempotency_key=self.guard.key))
+        if self.guard.attempts <= failures:
+            raise ConnectionError(f"dependency unreachable (attempt {self.guard.attempts})")
+    return int(self.guard.attempts)
+
+
+@app.task(name="shop.reject_order", bind=True, idempotency_key="reject:{tag}")
+def reject_order(self: Any, tag: str) -> None:
+    """A validation error: permanent, dead-lettered at once."""
+    write_effect(self, tag)
+    raise ValueError(f"order {tag} has no lines")
+
+
+@app.task(name="shop.poison", bind=True, idempotency_key="poison:{tag}")
+def poison(self: Any, tag: str) -> None:
+    """Kills its own process every time, as a segfault or the OOM killer would."""
+    os.kill(os.getpid(), 9)
+
+
+@app.task(name="shop.fixable", bind=True, idempotency_key="fixable:{tag}")
+def fixable(self: Any, tag: str) -> str:
+    """Fails permanently while its bug marker exists; 'fixing the bug' removes the marker."""
+    if os.path.exists(os.path.join(os.environ.get("CG_MARKER_DIR", "/nonexistent"), tag)):
+        raise ValueError("bug present")
+    write_effect(self, tag)
+    return tag
 
 
 @app.task(name="shop.add")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table
+from sqlalchemy import BigInteger, Column, Float, Integer, MetaData, String, Table
 
 metadata = MetaData()
 #: One row per body execution that committed: what the tests count.
@@ -14,4 +14,14 @@ effects = Table(
     Column("idempotency_key", String(255)),
     Column("fencing_token", BigInteger),
     Column("pid", Integer),
+)
+
+#: One row per retry celery_guard decided, with its full-jitter delay.
+retry_log = Table(
+    "retry_log",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("idempotency_key", String(255), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("delay", Float, nullable=False),
 )

@@ -1,0 +1,85 @@
+"""The dead-letter sink: a durable table in the store and a durable queue in the broker.
+
+The table is the record an operator lists, shows and replays from; the queue lets other
+systems watch dead letters with the broker's own tools. Nothing consumes the queue by default.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kombu.entity import Exchange, Queue
+
+from celery_guard import serialization
+from celery_guard.errors import StoreError
+from celery_guard.republish import republish
+from celery_guard.store.base import DeadLetter
+from celery_guard.store.sql import SqlStore
+
+logger = logging.getLogger("celery_guard.deadletters")
+
+
+def dead_letter_queue(name: str) -> Queue:
+    """The durable queue (and its direct exchange) dead letters are published to."""
+    exchange = Exchange(name, type="direct", durable=True)  # type: ignore[no-untyped-call]
+    return Queue(name, exchange, routing_key=name, durable=True)  # type: ignore[no-untyped-call]
+
+
+class DeadLetterSink:
+    """Writes dead letters to the store, then publishes them to the broker's queue."""
+
+    def __init__(self, app: Any, store: SqlStore, queue_name: str) -> None:
+        self.app = app
+        self.store = store
+        self.queue = dead_letter_queue(queue_name)
+
+    def send(self, token: int, letter: DeadLetter) -> DeadLetter:
+        """Mark the key DEAD and record the letter (atomically), then publish it.
+
+        The store write comes first: it is what makes the state final. A failed publish is
+        logged and left for ``celery -A app guard reconcile`` to find.
+        """
+        stored = self.store.dead_letter(token, letter)
+        try:
+            self.publish(stored)
+        except Exception as exc:  # the broker is down: the table still has the letter
+            logger.error(
+                "celery_guard dead letter %s for key=%s stored but not published: %s",
+                stored.id,
+                stored.key,
+                exc,
+            )
+        return stored
+
+    def publish(self, letter: DeadLetter) -> None:
+        with self.app.producer_or_acquire() as producer:
+            producer.publish(
+                serialization.dumps(letter.as_dict()),
+                exchange=self.queue.exchange,
+                routing_key=self.queue.routing_key,
+                declare=[self.queue],
+                content_type="application/json",
+                content_encoding="utf-8",
+                delivery_mode=2,
+                headers={"guard_dead_letter_id": letter.id, "guard_idempotency_key": letter.key},
+                retry=True,
+                retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5},
+            )
+
+    def replay(self, letter_id: int) -> tuple[str, DeadLetter | None]:
+        """Revive a dead letter and publish its message again.
+
+        Returns ("replayed", letter), ("already", letter) or ("unknown", None). Replaying twice
+        runs the task once: only the first call revives the key and publishes.
+        """
+        letter = self.store.get_dead_letter(letter_id)
+        if letter is None:
+            return "unknown", None
+        if letter.message is None:
+            raise StoreError(f"dead letter {letter_id} has no stored message to replay")
+        revived = self.store.revive(letter_id)
+        if revived is None:
+            return "already", letter
+        republish(self.app, serialization.loads(revived.message or letter.message))
+        return "replayed", revived

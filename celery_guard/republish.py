@@ -1,0 +1,26 @@
+"""Publishing a stored task message again (the reaper's recovery, a dead letter's replay)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def republish(app: Any, message: dict[str, Any]) -> None:
+    """Send the task of a stored message again: same name, arguments, headers, id and routing."""
+    options: dict[str, Any] = {"headers": message.get("headers") or {}}
+    exchange, routing_key = message.get("exchange"), message.get("routing_key")
+    if not exchange and routing_key:
+        # Sent to the default exchange: the routing key is the queue (as Celery's retry does).
+        options["queue"] = routing_key
+    elif exchange:
+        options["exchange"] = exchange
+        options["routing_key"] = routing_key
+    if message.get("priority") is not None:
+        options["priority"] = message["priority"]
+    app.send_task(
+        message["task"],
+        args=message.get("args") or [],
+        kwargs=message.get("kwargs") or {},
+        task_id=message.get("id"),
+        **options,
+    )
