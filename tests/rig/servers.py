@@ -297,13 +297,20 @@ class PostgresServer(_ServerBase):
 
 
 class RedisServer(_ServerBase):
-    """A throwaway redis-server without persistence on 127.0.0.1:port."""
+    """A throwaway redis-server on 127.0.0.1:port; without persistence unless asked for.
+
+    ``persistent=True`` turns on the append-only file with fsync on every write, as a
+    production broker that must keep durable queues across a restart would run.
+    """
 
     name = "redis"
 
-    def __init__(self, port: int | None = None, start_timeout: float = 30) -> None:
+    def __init__(
+        self, port: int | None = None, start_timeout: float = 30, persistent: bool = False
+    ) -> None:
         super().__init__(port)
         self.start_timeout = start_timeout
+        self.persistent = persistent
 
     @property
     def url(self) -> str:
@@ -322,7 +329,8 @@ class RedisServer(_ServerBase):
         if self._tmp is None:
             self._tmp = Path(tempfile.mkdtemp(prefix="rig-redis-"))
         argv = [REDIS_SERVER, "--port", str(self._port), "--bind", "127.0.0.1"]
-        argv += ["--save", "", "--appendonly", "no", "--dir", str(self._tmp)]
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else []
+        argv += ["--save", "", "--appendonly", "no", *persistence, "--dir", str(self._tmp)]
         argv += ["--daemonize", "no", "--protected-mode", "no"]
         self._spawn(argv, cwd=self._tmp)
 
