@@ -11,10 +11,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import create_engine, func, select
 
 import celery_guard
 from celery_guard.store import KeyRecord
+from celery_guard.store import metadata as guard_metadata
+from tests.apps import shop_tables
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess
@@ -56,6 +58,18 @@ def shop(shop_env: dict[str, str]) -> ModuleType:
     runtime.migrate()
     module.metadata.create_all(runtime.store.engine)
     return module
+
+
+def new_store_database(postgres: PostgresServer, prefix: str) -> str:
+    """A fresh PostgreSQL database holding the guard's and the shop's tables; its URL."""
+    url = postgres.create_database(f"{prefix}_{uuid.uuid4().hex[:8]}")
+    engine = create_engine(url)
+    try:
+        guard_metadata.create_all(engine)
+        shop_tables.metadata.create_all(engine)
+    finally:
+        engine.dispose()
+    return url
 
 
 def start_workers(count: int, env: dict[str, str], **options: Any) -> list[WorkerProcess]:

@@ -8,14 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 from celery import Celery
-from sqlalchemy import create_engine
 
 from celery_guard import GuardConfig
 from celery_guard.deadletters import dead_letter_queue
-from celery_guard.store import metadata as guard_metadata
 from celery_guard.store.sql import SqlStore
-from tests.acceptance.conftest import start_workers
-from tests.apps import shop_tables
+from tests.acceptance.conftest import new_store_database, start_workers
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 
@@ -55,11 +52,7 @@ def queued_letters(client: Celery, queue_name: str) -> list[dict[str, object]]:
 def test_dead_letters_survive_a_broker_and_a_worker_restart(
     postgres: PostgresServer, persistent_redis: RedisServer
 ) -> None:
-    store_url = postgres.create_database(f"dlq_{uuid.uuid4().hex[:8]}")
-    engine = create_engine(store_url)
-    guard_metadata.create_all(engine)
-    shop_tables.metadata.create_all(engine)
-    engine.dispose()
+    store_url = new_store_database(postgres, "dlq")
     env = {
         "CG_BROKER_URL": persistent_redis.url_for(0),
         "CG_RESULT_URL": persistent_redis.url_for(1),

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 import pytest
 from celery import Celery
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import func, select
 
 from celery_guard import GuardConfig
-from celery_guard.store import metadata as guard_metadata
 from celery_guard.store.sql import SqlStore
-from tests.acceptance.conftest import start_workers
+from tests.acceptance.conftest import new_store_database, start_workers
 from tests.apps import shop_tables
 from tests.rig.procs import pid_alive, wait_until
 from tests.rig.servers import PostgresServer, RedisServer
@@ -65,11 +64,7 @@ def cluster(
     request: pytest.FixtureRequest, postgres: PostgresServer, redis_server: RedisServer
 ) -> Iterator[Cluster]:
     """Each test runs twice: leases in the store's rows, and leases in Redis."""
-    store_url = postgres.create_database(f"heal_{uuid.uuid4().hex[:8]}")
-    engine = create_engine(store_url)
-    guard_metadata.create_all(engine)
-    shop_tables.metadata.create_all(engine)
-    engine.dispose()
+    store_url = new_store_database(postgres, "heal")
     env = {
         "CG_BROKER_URL": redis_server.url_for(3),
         "CG_RESULT_URL": redis_server.url_for(4),

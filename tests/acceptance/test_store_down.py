@@ -9,8 +9,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import create_engine, func, select
 
-from celery_guard.store import metadata as guard_metadata
-from tests.acceptance.conftest import start_workers
+from tests.acceptance.conftest import new_store_database, start_workers
 from tests.apps import shop_tables
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
@@ -31,11 +30,7 @@ def stoppable_postgres() -> Iterator[PostgresServer]:
 def test_a_delivery_waits_out_a_store_outage_and_then_runs_once(
     stoppable_postgres: PostgresServer, redis_server: RedisServer
 ) -> None:
-    store_url = stoppable_postgres.create_database("outage")
-    engine = create_engine(store_url)
-    guard_metadata.create_all(engine)
-    shop_tables.metadata.create_all(engine)
-    engine.dispose()
+    store_url = new_store_database(stoppable_postgres, "outage")
     env = {
         "CG_BROKER_URL": redis_server.url_for(5),
         "CG_RESULT_URL": redis_server.url_for(6),
