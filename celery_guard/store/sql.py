@@ -471,6 +471,160 @@ class SqlStore:
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
+    # -- operator queries (cli) ---------------------------------------------------------------
+    # Read-only and maintenance queries for ``celery -A app guard ...``; bounded, one statement
+    # each (``insert_dead_letter`` is one transaction).
+
+    def count_keys_by_state(self) -> dict[str, int]:
+        """How many keys are in each state (states without keys are absent)."""
+        from sqlalchemy import func
+
+        statement = select(keys.c.state, func.count().label("n")).group_by(keys.c.state)
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return {str(row["state"]): int(row["n"]) for row in rows}
+
+    def oldest_running(self) -> KeyRecord | None:
+        """The RUNNING key claimed longest ago (a claim sets ``updated_at``), or ``None``."""
+        statement = (
+            select(keys)
+            .where(keys.c.state == RUNNING)
+            .order_by(keys.c.updated_at, keys.c.key)
+            .limit(1)
+        )
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return KeyRecord.from_mapping(rows[0]) if rows else None
+
+    def count_expired_leases(self) -> int:
+        """RUNNING keys whose row lease has expired (what the reaper treats as orphans)."""
+        from sqlalchemy import func
+
+        statement = (
+            select(func.count().label("n"))
+            .select_from(keys)
+            .where(
+                keys.c.state == RUNNING,
+                or_(keys.c.lease_expires_at.is_(None), keys.c.lease_expires_at <= db_epoch_now()),
+            )
+        )
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return int(_only_row(rows)["n"])
+
+    def running_keys(
+        self, *, expired_only: bool = False, after: str | None = None, limit: int = 1000
+    ) -> list[KeyRecord]:
+        """RUNNING keys in key order, after ``after`` (keyset paging); ``expired_only`` keeps
+        those whose row lease has expired."""
+        statement = select(keys).where(keys.c.state == RUNNING).order_by(keys.c.key).limit(limit)
+        if expired_only:
+            statement = statement.where(
+                or_(keys.c.lease_expires_at.is_(None), keys.c.lease_expires_at <= db_epoch_now())
+            )
+        if after is not None:
+            statement = statement.where(keys.c.key > after)
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return [KeyRecord.from_mapping(row) for row in rows]
+
+    def get_many(self, key_names: list[str]) -> dict[str, KeyRecord]:
+        """The rows of ``key_names`` that exist, by key (one statement; pass a bounded list)."""
+        if not key_names:
+            return {}
+        statement = select(keys).where(keys.c.key.in_(key_names))
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return {str(row["key"]): KeyRecord.from_mapping(row) for row in rows}
+
+    def leader(self, name: str) -> tuple[str, int, float] | None:
+        """The named leader lease as (holder, term, expires_at), or ``None`` if never taken."""
+        statement = select(leaders).where(leaders.c.name == name)
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        if not rows:
+            return None
+        return str(rows[0]["holder"]), int(rows[0]["term"]), float(rows[0]["expires_at"])
+
+    def count_dead_letters(self) -> tuple[int, int]:
+        """(all dead letters, those not replayed yet)."""
+        from sqlalchemy import func
+
+        statement = select(
+            func.count().label("total"),
+            func.count(case((dead_letters.c.replayed_at.is_(None), 1))).label("pending"),
+        ).select_from(dead_letters)
+        row = _only_row(self._call(lambda: self._execute_single(statement, read_only=True))[0])
+        return int(row["total"]), int(row["pending"])
+
+    def dead_letter_index(self, limit: int) -> list[tuple[int, str, str, float]]:
+        """(id, key, task name, created_at) of the newest ``limit`` dead letters, newest first."""
+        statement = (
+            select(
+                dead_letters.c.id,
+                dead_letters.c.key,
+                dead_letters.c.task_name,
+                dead_letters.c.created_at,
+            )
+            .order_by(dead_letters.c.id.desc())
+            .limit(limit)
+        )
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return [
+            (int(row["id"]), str(row["key"]), str(row["task_name"]), float(row["created_at"]))
+            for row in rows
+        ]
+
+    def pending_dead_letter_ids(
+        self, task_name: str, *, after_id: int = 0, limit: int = 1000
+    ) -> list[int]:
+        """Ids of ``task_name``'s dead letters not replayed yet, ascending, after ``after_id``."""
+        statement = (
+            select(dead_letters.c.id)
+            .where(
+                dead_letters.c.task_name == task_name,
+                dead_letters.c.replayed_at.is_(None),
+                dead_letters.c.id > after_id,
+            )
+            .order_by(dead_letters.c.id)
+            .limit(limit)
+        )
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return [int(row["id"]) for row in rows]
+
+    def insert_dead_letter(self, letter: DeadLetter) -> DeadLetter | None:
+        """Record a dead letter found only in the broker's queue, under its own id.
+
+        Returns the stored letter, or ``None`` when that id is already taken (nothing written).
+        The key's row is not touched. On PostgreSQL the id sequence is moved past the id, so
+        later letters cannot collide with it.
+        """
+        if letter.id is None:
+            raise StoreError("a dead letter from the queue needs its id")
+        engine = self._ready_engine()
+        values = letter.as_dict()
+        if values["created_at"] is None:
+            values["created_at"] = db_epoch_now()
+        statement = (
+            self._upsert(dead_letters)
+            .values(**values)
+            .on_conflict_do_nothing(index_elements=[dead_letters.c.id])
+            .returning(*dead_letters.c)
+        )
+
+        def write() -> DeadLetter | None:
+            with engine.begin() as connection:
+                row = connection.execute(statement).one_or_none()
+                if row is None:
+                    return None
+                if self.dialect_name == "postgresql":
+                    connection.execute(
+                        text(
+                            "SELECT setval(s.seq, :p_id) FROM (SELECT CAST("
+                            "pg_get_serial_sequence('celery_guard_dead_letters', 'id') AS regclass"
+                            ") AS seq) AS s WHERE s.seq IS NOT NULL"
+                            " AND COALESCE(pg_sequence_last_value(s.seq), 0) < :p_id"
+                        ).bindparams(bindparam("p_id", type_=BigInteger)),
+                        {"p_id": letter.id},
+                    )
+                return DeadLetter.from_mapping(row._mapping)
+
+        return self._call(write)
+
 
 def _upsert(dialect_name: str, table: Any) -> Any:
     """The dialect's INSERT with ON CONFLICT support."""

@@ -1,15 +1,41 @@
-"""``celery -A app guard migrate`` as an operator runs it: a real subprocess."""
+"""``celery -A app guard ...`` as an operator runs it: a real subprocess of the ``celery`` CLI.
+
+The shop's store, Redis broker and worker processes are the session's; tests that need a store
+of their own (prune, Redis leases) create a fresh PostgreSQL database.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import pytest
+import redis
 from sqlalchemy import create_engine, inspect
 
-from tests.acceptance.conftest import ROOT, SHOP_APP
+import celery_guard
+from celery_guard import GuardConfig
+from celery_guard.deadletters import DeadLetterSink
+from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
+from celery_guard.store.base import DeadLetter
+from tests.acceptance.conftest import (
+    ROOT,
+    SHOP_APP,
+    effect_count,
+    key_record,
+    wait_for_key_state,
+)
+from tests.acceptance.test_failure_policy import drain_dead_letter_queue
+from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
+from tests.rig.workers import WorkerProcess
 
 
 def run_guard(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -52,3 +78,420 @@ def test_migrate_against_an_unreachable_store_exits_non_zero_with_one_line(
     assert completed.returncode != 0
     assert "unavailable" in completed.stderr
     assert "s3cret" not in completed.stderr + completed.stdout
+
+
+# -- the operator commands against the shop's store, real workers and real brokers -------------
+
+RESULT_TIMEOUT = 60
+
+
+def guard_ok(*args: str, env: dict[str, str] | None = None) -> str:
+    """Run a guard command that must succeed; its stdout."""
+    completed = run_guard(*args, env=env or {})
+    assert completed.returncode == 0, f"guard {' '.join(args)}: {completed.stderr}"
+    return completed.stdout
+
+
+def guard_json(*args: str, env: dict[str, str] | None = None) -> Any:
+    """Run a guard command with --json; its stdout parsed (it must be nothing but JSON)."""
+    return json.loads(guard_ok(*args, "--json", env=env))
+
+
+def guard_fails(*args: str, env: dict[str, str] | None = None, code: int = 1) -> str:
+    """Run a guard command that must fail with ``code``; the reason it gave on stderr."""
+    completed = run_guard(*args, env=env or {})
+    assert completed.returncode == code, (completed.returncode, completed.stdout, completed.stderr)
+    assert completed.stdout == ""
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, completed.stderr
+    if code == 1:
+        assert completed.stderr.strip() == errors[0], "one line, nothing else"
+    return errors[0]
+
+
+def iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()
+
+
+def claim(store: SqlStore, key: str, lease_ttl: float, message: str | None = None) -> int:
+    """Claim a key directly, as a worker would; its fencing token."""
+    result = store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="shop.record",
+            fingerprint=None,
+            check_fingerprint=False,
+            owner="cli-test/1",
+            message=message,
+            lease_ttl=lease_ttl,
+        )
+    )
+    assert result.outcome is ClaimOutcome.CLAIMED
+    return result.record.fencing_token
+
+
+def letters_for(task: str, keys: set[str]) -> list[dict[str, Any]]:
+    rows = guard_json("dlq", "list", "--task", task, "--since", "1h", "--limit", "500")
+    return [row for row in rows if row["key"] in keys]
+
+
+@pytest.mark.workers
+def test_status_and_key_show_on_keys_workers_hold_and_completed(
+    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
+) -> None:
+    assert shop.record.delay(tag, 7).get(timeout=RESULT_TIMEOUT) == {"tag": tag, "value": 7}
+    running = shop.slow.delay(tag, 4)
+    wait_for_key_state(shop, f"slow:{tag}", "RUNNING")
+    store = celery_guard.get_runtime(shop.app).store
+    wait_until(lambda: store.leader("reaper") is not None, 30, "a worker's reaper to be elected")
+
+    status = guard_json("status")
+    assert set(status["keys"]) >= {"RUNNING", "COMPLETED", "RELEASED", "DEAD"}
+    assert status["keys"]["RUNNING"] >= 1 and status["keys"]["COMPLETED"] >= 1
+    oldest = status["oldest_running"]
+    assert oldest is not None and oldest["age_seconds"] >= 0
+    assert status["reaper"]["live"] and status["reaper"]["holder"]
+    assert status["lease_backend"] == "sql" and "@" in status["store"]
+    assert status["dead_letters"]["total"] >= status["dead_letters"]["not_replayed"] >= 0
+    human = guard_ok("status")
+    assert "RUNNING" in human and "oldest RUNNING" in human and "dead letters" in human
+
+    slow = guard_json("key", "show", f"slow:{tag}")
+    assert (slow["state"], slow["task"], slow["claim_reason"]) == ("RUNNING", "shop.slow", "NEW")
+    assert 0 < slow["lease_remaining_seconds"] <= 10 and slow["owner"]
+    done = guard_json("key", "show", f"record:{tag}")
+    assert (done["state"], done["task"], done["attempts"], done["fencing_token"]) == (
+        "COMPLETED",
+        "shop.record",
+        1,
+        1,
+    )
+    assert done["result"] == {"tag": tag, "value": 7}
+    assert done["message"]["args"] == [tag, 7] and done["message"]["task"] == "shop.record"
+    assert done["completed_at"].endswith("Z") and done["retention_seconds"] == 7 * 24 * 3600
+    assert done["lease_remaining_seconds"] is None
+    human = guard_ok("key", "show", f"record:{tag}")
+    assert "COMPLETED" in human and f"shop.record[{done['message']['id']}]" in human
+    assert "no idempotency key" in guard_fails("key", "show", f"record:{tag}-unknown")
+    assert running.get(timeout=RESULT_TIMEOUT) == tag
+
+
+@pytest.mark.workers
+def test_dlq_list_and_show_with_filters(
+    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
+) -> None:
+    tags = [f"{tag}-{n}" for n in range(3)]
+    results = [shop.reject_order.delay(t) for t in tags]
+    for result in results:
+        with pytest.raises(ValueError, match="has no lines"):
+            result.get(timeout=RESULT_TIMEOUT)
+    keys = {f"reject:{t}" for t in tags}
+
+    mine = letters_for("shop.reject_order", keys)
+    assert {row["key"] for row in mine} == keys
+    for row in mine:
+        assert (row["task"], row["error_class"], row["error_type"], row["attempts"]) == (
+            "shop.reject_order",
+            "permanent",
+            "ValueError",
+            1,
+        )
+        assert row["replayed"] is False and row["created_at"].endswith("Z")
+    newest = guard_json("dlq", "list", "--task", "shop.reject_order", "--limit", "2")
+    assert len(newest) == 2 and newest[0]["id"] > newest[1]["id"]
+    assert all(row["task"] == "shop.reject_order" for row in newest)
+    future = iso(time.time() + 3600)
+    assert guard_json("dlq", "list", "--since", future) == []
+    human = guard_ok("dlq", "list", "--task", "shop.reject_order", "--since", "1h")
+    assert human.splitlines()[0].split() == [
+        "ID",
+        "CREATED",
+        "TASK",
+        "KEY",
+        "CLASS",
+        "TYPE",
+        "ATTEMPTS",
+        "REPLAYED",
+    ]
+    assert all(key in human for key in keys)
+
+    letter = mine[0]
+    shown = guard_json("dlq", "show", str(letter["id"]))
+    assert shown["key"] == letter["key"] and "raise ValueError" in shown["traceback"]
+    assert shown["message"]["args"] == [letter["key"].removeprefix("reject:")]
+    assert "has no lines" in shown["error"]
+    human = guard_ok("dlq", "show", str(letter["id"]))
+    assert "raise ValueError" in human and '"task": "shop.reject_order"' in human
+    assert "unknown dead letter id" in guard_fails("dlq", "show", "987654321")
+    assert "--since" in guard_fails("dlq", "list", "--since", "yesterday", code=2)
+    assert "--limit" in guard_fails("dlq", "list", "--limit", "0", code=2)
+
+
+@pytest.mark.workers
+def test_replay_after_the_bug_is_fixed_runs_the_task_once(
+    shop: ModuleType, shop_env: dict[str, str], shop_workers: list[WorkerProcess], tag: str
+) -> None:
+    marker = Path(shop_env["CG_MARKER_DIR"]) / tag
+    marker.touch()
+    with pytest.raises(ValueError, match="bug present"):
+        shop.fixable.delay(tag).get(timeout=RESULT_TIMEOUT)
+    key = f"fixable:{tag}"
+    (letter,) = letters_for("shop.fixable", {key})
+    assert (key_record(shop, key) or pytest.fail("no row")).state == "DEAD"
+
+    marker.unlink()  # the bug is fixed
+    assert f"replayed dead letter {letter['id']}" in guard_ok("dlq", "replay", str(letter["id"]))
+    wait_for_key_state(shop, key, "COMPLETED")
+    assert effect_count(shop, tag) == 1
+
+    again = guard_ok("dlq", "replay", str(letter["id"]))
+    assert "already replayed" in again
+    assert guard_json("dlq", "replay", str(letter["id"]))["outcome"] == "already"
+    record = key_record(shop, key)
+    assert record is not None and record.state == "COMPLETED" and effect_count(shop, tag) == 1
+    (replayed,) = letters_for("shop.fixable", {key})
+    assert replayed["replayed"] is True
+
+
+@pytest.mark.workers
+def test_replay_all_of_a_task(
+    shop: ModuleType, shop_env: dict[str, str], shop_workers: list[WorkerProcess], tag: str
+) -> None:
+    tags = [f"{tag}-a", f"{tag}-b"]
+    markers = [Path(shop_env["CG_MARKER_DIR"]) / t for t in tags]
+    for marker in markers:
+        marker.touch()
+    results = [shop.fixable.delay(t) for t in tags]
+    for result in results:
+        with pytest.raises(ValueError, match="bug present"):
+            result.get(timeout=RESULT_TIMEOUT)
+    keys = {f"fixable:{t}" for t in tags}
+    ids = {row["id"] for row in letters_for("shop.fixable", keys)}
+    assert len(ids) == 2
+    for marker in markers:
+        marker.unlink()
+
+    replayed = guard_json("dlq", "replay", "--task", "shop.fixable", "--all")
+    assert ids <= set(replayed["replayed"]) and replayed["failed"] == []
+    for key in keys:
+        wait_for_key_state(shop, key, "COMPLETED")
+    assert [effect_count(shop, t) for t in tags] == [1, 1]
+    again = guard_ok("dlq", "replay", "--task", "shop.fixable", "--all")
+    assert again.startswith("shop.fixable: replayed 0,")
+    assert [effect_count(shop, t) for t in tags] == [1, 1]
+
+
+@pytest.mark.workers
+def test_purge_and_argument_errors(
+    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
+) -> None:
+    assert "--yes" in guard_fails("dlq", "purge")
+    store = celery_guard.get_runtime(shop.app).store
+    with pytest.raises(ValueError):
+        shop.reject_order.delay(f"{tag}-old").get(timeout=RESULT_TIMEOUT)
+    cutoff = store.now()
+    with pytest.raises(ValueError):
+        shop.reject_order.delay(f"{tag}-new").get(timeout=RESULT_TIMEOUT)
+    keys = {f"reject:{tag}-old", f"reject:{tag}-new"}
+    assert len(letters_for("shop.reject_order", keys)) == 2
+
+    purged = guard_json("dlq", "purge", "--before", iso(cutoff))
+    assert purged["deleted"] >= 1
+    assert [row["key"] for row in letters_for("shop.reject_order", keys)] == [f"reject:{tag}-new"]
+    assert guard_ok("dlq", "purge", "--before", "30d").startswith("deleted 0 dead letter(s)")
+
+    assert "unknown dead letter id" in guard_fails("dlq", "replay", "987654321")
+    assert "not both" in guard_fails("dlq", "replay", "1", "--all", code=2)
+    assert "give a dead letter ID" in guard_fails("dlq", "replay", code=2)
+    assert "--task" in guard_fails("dlq", "replay", "--all", code=2)
+    assert "--before" in guard_fails("dlq", "purge", "--before", "soon", code=2)
+
+
+def test_prune_deletes_completed_keys_past_their_retention(
+    postgres: PostgresServer, shop_env: dict[str, str], tag: str
+) -> None:
+    url = postgres.create_database(f"cli_prune_{tag}")
+    store = SqlStore(GuardConfig(store_url=url))
+    try:
+        store.ensure_schema()
+        for name, retention in (("gone-1", 0.0), ("gone-2", 0.0), ("kept", 3600.0), ("ever", None)):
+            store.complete(name, claim(store, name, lease_ttl=60), '"ok"', retention)
+        assert guard_json("prune", env={"CG_STORE_URL": url}) == {"pruned": 2, "complete": True}
+        assert [store.get(name) is None for name in ("gone-1", "gone-2", "kept", "ever")] == [
+            True,
+            True,
+            False,
+            False,
+        ]
+        assert "pruned 0 COMPLETED key(s)" in guard_ok("prune", env={"CG_STORE_URL": url})
+    finally:
+        store.dispose()
+
+
+@pytest.mark.workers
+def test_reconcile_finds_an_expired_lease_and_republishes_a_letter_missing_from_the_queue(
+    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
+) -> None:
+    store = celery_guard.get_runtime(shop.app).store
+    # A RUNNING key whose owner vanished. Without a stored message the reaper cannot re-publish
+    # it, so it stays an orphan whatever the reaper's timing.
+    orphan = f"cli-orphan:{tag}"
+    token = claim(store, orphan, lease_ttl=0.1)
+    try:
+        with pytest.raises(ValueError):
+            shop.reject_order.delay(tag).get(timeout=RESULT_TIMEOUT)
+        (letter,) = letters_for("shop.reject_order", {f"reject:{tag}"})
+        drain_dead_letter_queue(shop, "celery_guard.dead_letters")  # the publish was "lost"
+
+        report = guard_json("reconcile")
+        (item,) = [i for i in report["running_without_live_lease"]["items"] if i["key"] == orphan]
+        assert (item["why"], item["row_lease_live"], item["fencing_token"]) == (
+            "lease expired",
+            False,
+            token,
+        )
+        assert "no stored message" in item["action"]
+        queue = report["dead_letter_queue"]
+        assert queue["checked"] and letter["id"] in {i["id"] for i in queue["table_only"]}
+        assert report["leases_without_running_key"]["checked"] is False
+        assert report["reaper"]["live"]
+        human = guard_ok("reconcile")
+        assert orphan in human and "in the table, not in the queue" in human
+
+        applied = guard_json("reconcile", "--apply")
+        assert applied["applied"] is True
+        (fix,) = [i for i in applied["dead_letter_queue"]["table_only"] if i["id"] == letter["id"]]
+        assert fix["result"] == "published"
+
+        after = guard_json("reconcile")["dead_letter_queue"]
+        assert letter["id"] not in {i["id"] for i in after["table_only"] + after["queue_only"]}
+        queued = drain_dead_letter_queue(shop, "celery_guard.dead_letters")
+        assert letter["id"] in {body["id"] for body in queued}
+    finally:
+        store.release(orphan, token, None)
+
+
+def test_reconcile_with_redis_leases_ends_stale_leases_and_records_queue_only_letters(
+    postgres: PostgresServer, redis_server: RedisServer, shop: ModuleType, tag: str
+) -> None:
+    url = postgres.create_database(f"cli_reconcile_{tag}")
+    lease_url = redis_server.url_for(5)
+    queue = f"cli-dead-letters-{tag}"
+    env = {"CG_STORE_URL": url, "CG_LEASE_URL": lease_url, "CG_DEAD_LETTER_QUEUE": queue}
+    leases = redis.Redis.from_url(lease_url)
+    store = SqlStore(GuardConfig(store_url=url))
+    try:
+        store.ensure_schema()
+        # (1) a RUNNING row whose Redis lease is gone while the row's lease still looks live,
+        # beside a healthy key that holds its lease.
+        message = {"task": "shop.record", "id": "t-1", "args": ["x"], "routing_key": "celery"}
+        stale_token = claim(store, "cli:no-lease", lease_ttl=60, message=json.dumps(message))
+        healthy_token = claim(store, "cli:healthy", lease_ttl=60)
+        leases.set("celery_guard:{cli:healthy}:lease", healthy_token, px=60_000)
+        # (2) a lease whose key has no row.
+        leases.set("celery_guard:{cli:ghost}:lease", 7, px=60_000)
+        # (3) a dead letter in the queue only (its table row was lost).
+        sink = DeadLetterSink(shop.app, store, queue)
+        sink.publish(
+            DeadLetter(
+                id=4242,
+                created_at=time.time(),
+                key="cli:lost",
+                task_name="shop.reject_order",
+                task_id="t-lost",
+                message=None,
+                error_class="permanent",
+                error_type="ValueError",
+                error="lost",
+                traceback=None,
+                reason="a permanent error",
+                attempts=1,
+            )
+        )
+
+        status = guard_json("status", env=env)
+        assert status["lease_backend"] == "redis" and status["keys"]["RUNNING"] == 2
+        assert status["running_without_live_lease"] == 1 and status["reaper"] is None
+        assert status["oldest_running"]["key"] == "cli:no-lease"
+        assert status["oldest_running"]["lease_remaining_seconds"] is None
+        healthy = guard_json("key", "show", "cli:healthy", env=env)
+        assert 0 < healthy["lease_remaining_seconds"] <= 60
+
+        report = guard_json("reconcile", env=env)
+        (item,) = report["running_without_live_lease"]["items"]
+        assert (item["key"], item["why"], item["row_lease_live"], item["needs_apply"]) == (
+            "cli:no-lease",
+            "no Redis lease",
+            True,
+            True,
+        )
+        (lease,) = report["leases_without_running_key"]["items"]
+        assert (lease["key"], lease["lease_token"], lease["row_state"]) == ("cli:ghost", "7", None)
+        queued = report["dead_letter_queue"]
+        assert [i["id"] for i in queued["queue_only"]] == [4242] and queued["table_only"] == []
+        human = guard_ok("reconcile", env=env)
+        assert "cli:ghost" in human and "in the queue, not in the table: 1" in human
+
+        applied = guard_json("reconcile", "--apply", env=env)
+        assert applied["running_without_live_lease"]["items"][0]["result"].startswith("lease ended")
+        assert applied["leases_without_running_key"]["items"][0]["result"] == "deleted"
+        assert applied["dead_letter_queue"]["queue_only"][0]["result"] == "inserted"
+        assert not leases.exists("celery_guard:{cli:ghost}:lease")
+        recorded = store.get_dead_letter(4242)
+        assert recorded is not None and (recorded.key, recorded.error) == ("cli:lost", "lost")
+        record = store.get("cli:no-lease")
+        assert record is not None and record.fencing_token == stale_token
+        assert (record.lease_expires_at or 0) <= store.now()
+
+        after = guard_json("reconcile", env=env)
+        (item,) = after["running_without_live_lease"]["items"]
+        assert not item["row_lease_live"] and not item["needs_apply"]
+        assert item["action"].startswith("orphan: the reaper re-publishes")
+        assert after["leases_without_running_key"]["items"] == []
+        assert after["dead_letter_queue"]["queue_only"] == []
+        assert after["dead_letter_queue"]["table_only"] == []
+        # The id sequence moved past the recorded letter: the next one cannot collide.
+        later = store.dead_letter(
+            healthy_token,
+            DeadLetter(
+                key="cli:healthy",
+                task_name="shop.record",
+                task_id=None,
+                message=None,
+                error_class="permanent",
+                error_type="ValueError",
+                error="x",
+                traceback=None,
+                reason="r",
+                attempts=1,
+            ),
+        )
+        assert later.id is not None and later.id > 4242
+
+        other = guard_json("reconcile", env={**env, "CG_BROKER_URL": "memory://"})
+        assert other["dead_letter_queue"]["checked"] is False
+        assert "needs a Redis broker" in other["dead_letter_queue"]["reason"]
+    finally:
+        store.dispose()
+        leases.delete("celery_guard:{cli:healthy}:lease", "celery_guard:{cli:ghost}:lease")
+        leases.close()
+        broker = redis.Redis.from_url(shop.app.conf.broker_url)
+        broker.delete(queue)
+        broker.close()
+
+
+def test_commands_against_an_unreachable_store_fail_in_one_line_without_the_password(
+    redis_server: RedisServer,
+) -> None:
+    env = {
+        "CG_STORE_URL": "postgresql://u:s3cret@127.0.0.1:9/x",
+        "CG_STORE_TIMEOUT": "1",
+        "CG_BROKER_URL": redis_server.url_for(7),
+    }
+    for args in (["status", "--json"], ["dlq", "list"], ["reconcile"]):
+        completed = run_guard(*args, env=env)
+        assert completed.returncode == 1, completed
+        assert completed.stdout == ""
+        assert len(completed.stderr.strip().splitlines()) == 1, completed.stderr
+        assert "unavailable" in completed.stderr
+        assert "s3cret" not in completed.stderr
