@@ -81,5 +81,11 @@ class DeadLetterSink:
         revived = self.store.revive(letter_id)
         if revived is None:
             return "already", letter
-        republish(self.app, serialization.loads(revived.message or letter.message))
+        try:
+            republish(self.app, serialization.loads(revived.message or letter.message))
+        except Exception:
+            # Nothing was sent: put the letter and its key back as they were, so the next
+            # replay tries again instead of answering "already replayed".
+            self.store.unrevive(letter_id)
+            raise
         return "replayed", revived

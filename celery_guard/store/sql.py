@@ -299,6 +299,27 @@ class SqlStore:
 
         return self._call(write)
 
+    def unrevive(self, letter_id: int) -> None:
+        """Undo :meth:`revive` after its message could not be published."""
+        engine = self._ready_engine()
+
+        def write() -> None:
+            with engine.begin() as connection:
+                key = connection.execute(
+                    update(dead_letters)
+                    .where(dead_letters.c.id == letter_id)
+                    .values(replayed_at=None)
+                    .returning(dead_letters.c.key)
+                ).scalar_one_or_none()
+                if key is not None:
+                    connection.execute(
+                        update(keys)
+                        .where(keys.c.key == key, keys.c.state == RELEASED, keys.c.attempts == 0)
+                        .values(state=DEAD, updated_at=db_epoch_now())
+                    )
+
+        self._call(write)
+
     def purge_dead_letters(self, before: float | None = None) -> int:
         """Delete dead letters (created before ``before``, when given); return how many."""
         statement = delete(dead_letters)
