@@ -251,7 +251,8 @@ def _replay_all(runtime: GuardRuntime, task_name: str, as_json: bool) -> None:
 def dlq_purge(ctx: click.Context, before: When | None, yes: bool, as_json: bool) -> None:
     """Delete dead letters from the store's table (the broker's queue is not touched).
 
-    Never asks: deleting all of them needs --yes.
+    Never asks: deleting all of them needs --yes. The keys of unreplayed letters stay DEAD;
+    `guard key revive KEY` makes one claimable again.
     """
     if before is None and not yes:
         raise click.ClickException(

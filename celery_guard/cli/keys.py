@@ -146,6 +146,24 @@ def _retention(record: KeyRecord, now: float) -> tuple[float | None, str]:
     return retention, f"{_human_secs(retention)}, until {_iso(record.expires_at)}"
 
 
+@key_group.command(cls=GuardCommand, name="revive")
+@click.argument("key")
+@json_option
+@click.pass_context
+def key_revive(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Make a DEAD key claimable again, with fresh attempts, without publishing anything.
+
+    For a key whose dead letter was purged; `dlq replay` does this and re-publishes the task.
+    """
+    runtime = _runtime(ctx)
+    if not runtime.store.revive_key(key):
+        raise click.ClickException(f"key {key!r} is not DEAD (or does not exist); nothing done")
+    if as_json:
+        _emit_json({"key": key, "state": "RELEASED"})
+    else:
+        click.echo(f"key {key} revived: RELEASED, attempts reset; its next delivery runs it")
+
+
 @key_group.command(cls=GuardCommand, name="show")
 @click.argument("key")
 @json_option

@@ -299,6 +299,10 @@ class SqlStore:
 
         return self._call(write)
 
+    def revive_key(self, key: str) -> bool:
+        """Make a DEAD key claimable again with fresh attempts (nothing is re-published)."""
+        return self._call(lambda: self._execute_single(_REVIVE_KEY, {"p_key": key}))[1] == 1
+
     def unrevive(self, letter_id: int) -> None:
         """Undo :meth:`revive` after its message could not be published."""
         engine = self._ready_engine()

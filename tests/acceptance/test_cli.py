@@ -495,3 +495,16 @@ def test_commands_against_an_unreachable_store_fail_in_one_line_without_the_pass
         assert len(completed.stderr.strip().splitlines()) == 1, completed.stderr
         assert "unavailable" in completed.stderr
         assert "s3cret" not in completed.stderr
+
+
+def test_key_revive_makes_a_dead_key_claimable_and_refuses_anything_else(
+    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
+) -> None:
+    with pytest.raises(ValueError):
+        shop.reject_order.delay(tag).get(timeout=60)
+    key = f"reject:{tag}"
+    assert "revived" in guard_ok("key", "revive", key)
+    record = celery_guard.get_runtime(shop.app).store.get(key)
+    assert record is not None and (record.state, record.attempts) == ("RELEASED", 0)
+    assert "not DEAD" in guard_fails("key", "revive", key)
+    assert "not DEAD" in guard_fails("key", "revive", f"no-such-key-{tag}")
