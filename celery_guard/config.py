@@ -64,6 +64,9 @@ class GuardConfig:
     reaper_interval: float = 2.0
     #: Run the reaper in this worker (one worker at a time holds the reaper's lease).
     reaper_enabled: bool = True
+    #: Seconds a warm shutdown waits for this worker's running bodies; keys still running then
+    #: are revoked (token moved on, lease ended) so another worker takes them over at once.
+    drain_timeout: float = 30.0
     #: On PostgreSQL, each worker process holds an advisory lock on a connection of its own, so
     #: the reaper can take a dead process's keys over at once instead of after the lease TTL.
     #: Costs one idle connection per process. Ignored on SQLite.
@@ -97,6 +100,7 @@ class GuardConfig:
             if getattr(self, name) is not None:
                 _check_number(f"guard_{name}", getattr(self, name), minimum=0.01)
         _check_number("guard_reaper_interval", self.reaper_interval, minimum=0.01)
+        _check_number("guard_drain_timeout", self.drain_timeout, minimum=0.0)
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
             raise ConfigurationError(
                 f"guard_max_attempts must be an integer, got {self.max_attempts!r}"

@@ -242,6 +242,8 @@ class GuardHandler:
         except BaseException as exc:
             execution.abort()
             self._fail(task, delivery, execution, exc)
+            if isinstance(exc, Fenced):
+                return self._winner_result(delivery)
             raise
         try:
             result = serialization.dumps(value)
@@ -262,7 +264,7 @@ class GuardHandler:
                 delivery.key,
                 execution.fencing_token,
             )
-            return self._winner_result(delivery.key, execution.fencing_token)
+            return self._winner_result(delivery)
         except StoreError as exc:
             # The commit may or may not have landed; either way the next delivery finds out from
             # the store (COMPLETED, or our lease expiring), so deferring loses nothing.
@@ -391,19 +393,24 @@ class GuardHandler:
         except StoreError as exc:
             logger.warning("celery_guard could not release the lease of key=%s: %s", key, exc)
 
-    def _winner_result(self, key: str, token: int | None) -> Any:
-        """After a refused commit: the newer owner's result if it has completed, else Fenced.
+    def _winner_result(self, delivery: Delivery) -> Any:
+        """After a lost lease: the newer owner's result if it has completed; else come back.
 
-        Returning the stored result keeps the result backend truthful: this delivery's task id
-        may be the very one the newer owner completed (a re-published message shares it).
+        Never a failure: this delivery's task id may be the very one the newer owner is running
+        (a re-published message shares it), and a FAILURE stored now would stand until the
+        newer owner's SUCCESS replaced it. A deferred copy answers with the stored result once
+        the key is COMPLETED (or takes it over if the newer owner dies too).
         """
         try:
-            record = self.store.get(key)
+            record = self.store.get(delivery.key)
         except StoreError:
             record = None
         if record is not None and record.state == COMPLETED_STATE and record.result is not None:
             return serialization.loads(record.result)
-        raise Fenced(key, token if token is not None else -1)
+        raise DeliveryDeferred(
+            f"key {delivery.key!r}: this execution was fenced, a newer owner runs it",
+            self._in_flight_backoff(self.lease_ttl, delivery.deferrals),
+        )
 
     def _release(self, task: Any, execution: Execution, exc: BaseException) -> None:
         assert execution.key is not None and execution.fencing_token is not None

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import bootsteps
 
+from celery_guard.errors import StoreError
 from celery_guard.reaper import Reaper
 from celery_guard.worker_state import WorkerState
 
@@ -23,8 +25,9 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         super().__init__(parent, **kwargs)
         self.reaper: Reaper | None = None
 
-    def create(self, parent: Any) -> GuardStep:
-        return self
+    def create(self, parent: Any) -> None:
+        # No service object: Celery would call its stop()/terminate() without the parent.
+        return None
 
     def start(self, parent: Any) -> None:
         from celery_guard.install import get_runtime  # install imports this module
@@ -44,12 +47,22 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
             runtime.reaper = self.reaper
 
     def stop(self, parent: Any) -> None:
+        """Warm shutdown: drain, then hand back what did not finish in time."""
         from celery_guard.install import get_runtime
 
         runtime = get_runtime(parent.app)
-        # Celery's warm shutdown has stopped consuming and waits for the running bodies, whose
-        # heartbeats keep their leases alive meanwhile; a cold shutdown leaves them to expire.
-        runtime.states.set_lifecycle(WorkerState.DRAINING, reason="shutdown")
+        runtime.states.set_lifecycle(WorkerState.DRAINING, reason="warm shutdown")
+        self._stop_reaper()
+        drain(runtime, parent.hostname)
+
+    def terminate(self, parent: Any) -> None:
+        """Cold shutdown: no drain; running keys' leases expire and the reaper recovers them."""
+        from celery_guard.install import get_runtime
+
+        get_runtime(parent.app).states.set_lifecycle(WorkerState.DRAINING, reason="cold shutdown")
+        self._stop_reaper()
+
+    def _stop_reaper(self) -> None:
         if self.reaper is not None:
             self.reaper.stop()
             self.reaper = None
@@ -58,3 +71,36 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         from celery_guard.install import get_runtime
 
         get_runtime(parent.app).states.set_lifecycle(WorkerState.STOPPED, reason="shutdown")
+
+
+def drain(runtime: Any, hostname: str) -> list[str]:
+    """Wait up to ``guard_drain_timeout`` for this worker's running bodies, then revoke the rest.
+
+    Celery has stopped consuming and waits for the pool; the bodies commit to the store as they
+    finish, so the store is what is watched (the main process's event loop no longer runs).
+    Keys still running at the deadline are revoked: their token moves on and their lease ends,
+    so the reaper re-publishes them to a live worker now, and the late commits here are
+    refused. Returns the revoked keys.
+    """
+    owner_prefix = f"{hostname}/"
+    deadline = time.monotonic() + runtime.config.drain_timeout
+    try:
+        while runtime.store.count_running_owned(owner_prefix) and time.monotonic() < deadline:
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+        if not runtime.store.count_running_owned(owner_prefix):
+            return []
+        revoked = runtime.store.revoke_owned(owner_prefix)
+        for key, old_token in revoked:
+            if not runtime.leases.in_store:
+                runtime.leases.release(key, old_token)
+    except StoreError as exc:
+        logger.warning("celery_guard drain could not use the store: %s", exc)
+        return []
+    keys = [key for key, _ in revoked]
+    logger.warning(
+        "celery_guard drain timeout (%ss): revoked %d running key(s) for other workers: %s",
+        runtime.config.drain_timeout,
+        len(keys),
+        ", ".join(keys[:20]),
+    )
+    return keys

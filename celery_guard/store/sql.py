@@ -29,6 +29,7 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    func,
     insert,
     or_,
     select,
@@ -415,6 +416,41 @@ class SqlStore:
         )[0]
         return [(row["key"], int(row["fencing_token"]), bool(row["live"])) for row in rows]
 
+    def count_running_owned(self, owner_prefix: str) -> int:
+        """RUNNING keys whose owner string starts with ``owner_prefix`` (one worker's)."""
+        statement = (
+            select(func.count())
+            .select_from(keys)
+            .where(
+                keys.c.state == RUNNING,
+                func.substr(keys.c.owner, 1, len(owner_prefix)) == owner_prefix,
+            )
+        )
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return int(next(iter(rows[0].values())))
+
+    def revoke_owned(self, owner_prefix: str) -> list[tuple[str, int]]:
+        """Move the token on and end the lease of a worker's RUNNING keys.
+
+        Its executions are fenced (renewal and commit refused) and the reaper recovers the keys
+        at once. Returns (key, the token that was revoked).
+        """
+        statement = (
+            update(keys)
+            .where(
+                keys.c.state == RUNNING,
+                func.substr(keys.c.owner, 1, len(owner_prefix)) == owner_prefix,
+            )
+            .values(
+                fencing_token=keys.c.fencing_token + 1,
+                lease_expires_at=db_epoch_now(),
+                updated_at=db_epoch_now(),
+            )
+            .returning(keys.c.key, keys.c.fencing_token)
+        )
+        rows = self._call(lambda: self._execute_single(statement))[0]
+        return [(row["key"], int(row["fencing_token"]) - 1) for row in rows]
+
     def expire_lease(self, key: str, token: int) -> bool:
         """End a running lease now (its owner is dead), so the orphan pass takes it over."""
         parameters = {"p_key": key, "p_token": token}
@@ -502,7 +538,6 @@ class SqlStore:
 
     def count_keys_by_state(self) -> dict[str, int]:
         """How many keys are in each state (states without keys are absent)."""
-        from sqlalchemy import func
 
         statement = select(keys.c.state, func.count().label("n")).group_by(keys.c.state)
         rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
@@ -521,7 +556,6 @@ class SqlStore:
 
     def count_expired_leases(self) -> int:
         """RUNNING keys whose row lease has expired (what the reaper treats as orphans)."""
-        from sqlalchemy import func
 
         statement = (
             select(func.count().label("n"))
@@ -567,7 +601,6 @@ class SqlStore:
 
     def count_dead_letters(self) -> tuple[int, int]:
         """(all dead letters, those not replayed yet)."""
-        from sqlalchemy import func
 
         statement = select(
             func.count().label("total"),

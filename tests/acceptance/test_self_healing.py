@@ -219,6 +219,28 @@ def test_a_warm_shutdown_mid_task_finishes_the_task_once(cluster: Cluster) -> No
     assert cluster.effects(tag) == 1
 
 
+def test_a_warm_shutdown_hands_back_what_outlives_the_drain_timeout(cluster: Cluster) -> None:
+    """A body still running at the drain deadline is revoked and taken over at once."""
+    (draining,) = cluster.start(1, CG_DRAIN_TIMEOUT="1")
+    tag = uuid.uuid4().hex[:12]
+    key = f"long:{tag}"
+    result = cluster.send("shop.long_write", tag, 8.0)
+    wait_running(cluster, key)
+    draining.request_warm_shutdown()
+    wait_until(lambda: "revoked 1 running key" in draining.log_text(), 30, "the revocation")
+    cluster.start(1)
+    value = result.get(timeout=60)
+    assert value["fencing_token"] == 3, "revoked (2), then claimed by the other worker (3)"
+    assert cluster.effects(tag) == 1
+    assert draining.stop(timeout=30) == 0
+    wait_until(
+        lambda: "completion refused (fenced)" in draining.log_text(),
+        timeout=10,
+        what="the drained worker's late commit to be refused",
+    )
+    assert cluster.effects(tag) == 1
+
+
 def test_a_countdown_longer_than_the_visibility_timeout_runs_once(cluster: Cluster) -> None:
     cluster.start(2, CG_VISIBILITY_TIMEOUT="2")
     tag = uuid.uuid4().hex[:12]

@@ -33,6 +33,7 @@ app.conf.update(
     guard_store_timeout=float(os.environ.get("CG_STORE_TIMEOUT", "2")),
     guard_lease_ttl=float(os.environ.get("CG_LEASE_TTL", "10")),
     guard_reaper_interval=float(os.environ.get("CG_REAPER_INTERVAL", "2")),
+    guard_drain_timeout=float(os.environ.get("CG_DRAIN_TIMEOUT", "30")),
     guard_lease_url=os.environ.get("CG_LEASE_URL") or None,
     guard_backoff_base=float(os.environ.get("CG_BACKOFF_BASE", "0.05")),
     guard_backoff_max=float(os.environ.get("CG_BACKOFF_MAX", "1")),

@@ -10,6 +10,7 @@ from celery_guard.deadletters import DeadLetterSink
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
 from celery_guard.store.base import DeadLetter
 from tests.rig.ports import free_port
+from tests.rig.procs import wait_until
 from tests.rig.servers import RedisServer
 
 MESSAGE = '{"task": "t", "id": "id-1", "args": [1], "kwargs": {}, "routing_key": "q"}'
@@ -94,6 +95,9 @@ def test_a_replay_that_cannot_publish_leaves_the_letter_replayable(
 def test_purge_before_a_time_keeps_newer_letters(store: SqlStore) -> None:
     old = dead(store, "old")
     assert old.created_at is not None
-    dead(store, "new")
-    assert store.purge_dead_letters(before=old.created_at + 1e-6) == 1
+    # SQLite's clock has millisecond steps: let it move on, so the two letters differ.
+    wait_until(lambda: store.now() > (old.created_at or 0) + 0.01, 5, "the clock to move")
+    new = dead(store, "new")
+    assert new.created_at is not None and new.created_at > old.created_at
+    assert store.purge_dead_letters(before=new.created_at) == 1
     assert [letter.key for letter in store.list_dead_letters()] == ["new"]

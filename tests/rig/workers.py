@@ -125,6 +125,11 @@ class WorkerProcess:
         procs.unregister(self)
         return code
 
+    def request_warm_shutdown(self) -> None:
+        """Send SIGTERM to the main process and return at once (``stop()`` then waits)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL the main process and all pool children at once (simulates a crash/OOM)."""
         if self._proc is not None:
