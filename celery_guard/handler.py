@@ -242,7 +242,13 @@ class GuardHandler:
         except BaseException as exc:
             execution.abort()
             self._fail(task, delivery, execution, exc)
-            if isinstance(exc, Fenced):
+            lost = isinstance(exc, Fenced) or (
+                execution.fenced
+                and isinstance(exc, Exception)
+                and not isinstance(exc, self.control_flow)
+            )
+            if lost:
+                # Whatever this body did no longer counts: the newer owner's outcome does.
                 return self._winner_result(delivery)
             raise
         try:
