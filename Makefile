@@ -33,6 +33,7 @@ demo: deps venv
 
 bench: deps venv
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/recovery.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache build *.egg-info

@@ -29,7 +29,7 @@ class StateTracker:
         self._lock = threading.Lock()
         self.state = WorkerState.READY
         self._running = 0
-        self._fenced = 0
+        self._fenced: set[tuple[str, int]] = set()
         self._lifecycle: WorkerState | None = None  # DRAINING or STOPPED, when set
 
     def execution_started(self, key: str, token: int) -> None:
@@ -39,14 +39,14 @@ class StateTracker:
 
     def execution_fenced(self, key: str, token: int) -> None:
         with self._lock:
-            self._fenced += 1
+            self._fenced.add((key, token))
             self._settle(key=key, token=token)
 
     def execution_ended(self, key: str, token: int, fenced: bool) -> None:
         with self._lock:
             self._running = max(0, self._running - 1)
-            if fenced:
-                self._fenced = max(0, self._fenced - 1)
+            # Whatever the heartbeat thread decided meanwhile, this execution is over.
+            self._fenced.discard((key, token))
             self._settle(key=key, token=token)
 
     def set_lifecycle(self, state: WorkerState, reason: str) -> None:

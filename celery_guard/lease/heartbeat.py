@@ -149,15 +149,19 @@ class Heartbeat:
         try:
             renewed = self.backend.renew_leases(((le.key, le.handle) for le in due), ttl)
         except StoreError as exc:
+            still_held = {id(lease) for lease in self.held()}
             for lease in due:
-                if self._clock() > lease.valid_until:
+                if id(lease) in still_held and self._clock() > lease.valid_until:
                     lease.fence(f"store unreachable past the lease ({exc})")
             logger.warning("celery_guard lease renewal failed for %d keys: %s", len(due), exc)
             return
+        still_held = {id(lease) for lease in self.held()}
         for lease in due:
             if lease.key in renewed:
                 lease.valid_until = started + lease.ttl
-            else:
+            elif id(lease) in still_held:
+                # A lease dropped during the round (its body completed or released the key)
+                # is not "taken over": its row simply no longer needs renewing.
                 lease.fence("taken over: the token no longer owns the key")
 
     def _ensure_thread(self) -> None:

@@ -148,7 +148,12 @@ class SqlStore:
         """Create the tables if they are missing (when ``guard_create_tables`` is on)."""
         if self._schema_ready:
             return
-        self._call(lambda: metadata.create_all(self.engine, checkfirst=True))
+        try:
+            self._call(lambda: metadata.create_all(self.engine, checkfirst=True))
+        except StoreError:
+            # Several processes starting at once race between "does it exist?" and CREATE;
+            # the loser's CREATE fails on the winner's table. Look again: it is there now.
+            self._call(lambda: metadata.create_all(self.engine, checkfirst=True))
         self._schema_ready = True
 
     def _ready_engine(self) -> Engine:

@@ -8,6 +8,7 @@ import pytest
 
 from celery_guard import Fenced, StoreUnavailable
 from celery_guard.lease.heartbeat import Heartbeat, Lease
+from celery_guard.worker_state import StateTracker, WorkerState
 
 
 class Clock:
@@ -120,3 +121,29 @@ def test_renewal_uses_the_backend_handle_not_the_fencing_token() -> None:
     heartbeat._leases = {1: redis_lease}
     heartbeat.beat()
     assert backend.calls == [[("k", 42)]]
+
+
+def test_a_lease_dropped_during_a_round_is_not_fenced() -> None:
+    """The body completed while the renewal was in flight: its key no longer needs renewing."""
+    clock = Clock()
+    finished = lease(clock)
+
+    class DropsDuringRound(Backend):
+        def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+            list(leases)
+            heartbeat.drop(finished)  # the body completed meanwhile; its row is COMPLETED
+            return set()
+
+    heartbeat = Heartbeat(DropsDuringRound(), interval=3, clock=clock)
+    heartbeat._leases = {id(finished): finished}
+    heartbeat.beat()
+    assert finished.fenced_reason is None
+
+
+def test_a_fenced_execution_that_ends_leaves_the_process_ready() -> None:
+    states = StateTracker()
+    states.execution_started("k", 1)
+    states.execution_fenced("k", 1)
+    assert states.state is WorkerState.FENCED
+    states.execution_ended("k", 1, fenced=False)
+    assert states.state is WorkerState.READY
