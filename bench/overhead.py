@@ -409,11 +409,11 @@ def render(
     return "\n".join(out) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (up to the next ``## `` heading) or add it."""
+def write_section(path: Path, section: str, heading: str = HEADING) -> None:
+    """Replace a benchmark's section of ``path`` (up to the next ``## `` heading) or add it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.M | re.S)
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.M | re.S)
     if pattern.search(old):
         new = pattern.sub(lambda _: section + "\n", old, count=1).rstrip("\n") + "\n"
     else:

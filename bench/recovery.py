@@ -54,7 +54,7 @@ from celery import Celery  # noqa: E402
 
 import celery_guard  # noqa: E402
 from bench import recovery_app  # noqa: E402  (importing it reads no server: install is offline)
-from bench.overhead import code_revision, machine_info  # noqa: E402
+from bench.overhead import code_revision, machine_info, write_section  # noqa: E402
 from celery_guard import GuardConfig  # noqa: E402
 from tests.rig import procs  # noqa: E402
 from tests.rig.servers import PostgresServer, RedisServer  # noqa: E402
@@ -1126,18 +1126,6 @@ def postgres_errors(path: Path) -> list[str]:
     return found
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (up to the next ``## `` heading) or add it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.M | re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: section + "\n", old, count=1).rstrip("\n") + "\n"
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    path.write_text(new)
-
-
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -1214,7 +1202,7 @@ def main() -> None:
     if args.no_write:
         print(f"not written (--no-write); total wall time {wall:.0f} s")
     else:
-        write_section(args.output, section)
+        write_section(args.output, section, HEADING)
         print(f"written to {args.output}; total wall time {wall:.0f} s")
 
 
