@@ -389,22 +389,33 @@ def _apply_queue(runtime: GuardRuntime, section: Section) -> None:
 
 @guard.command(cls=GuardCommand, name="reconcile")
 @click.option("--apply", "apply_fixes", is_flag=True, help="Fix what the report finds.")
+@click.option(
+    "--skip-queue",
+    is_flag=True,
+    help="Do not compare the dead-letter queue with the table (when another system consumes "
+    "the queue, a missing message is not a lost letter).",
+)
 @json_option
 @click.pass_context
-def reconcile(ctx: click.Context, apply_fixes: bool, as_json: bool) -> None:
+def reconcile(ctx: click.Context, apply_fixes: bool, skip_queue: bool, as_json: bool) -> None:
     """Cross-check keys, leases and dead letters after an incident; --apply fixes them.
 
     Reports (1) RUNNING keys without a live lease (--apply ends a lease that still looks live,
     so the reaper takes the key over), (2) Redis leases without a RUNNING key (--apply deletes
     them), (3) dead letters in the table but not in the broker's queue (--apply publishes them)
     and in the queue but not in the table (--apply records them). The queue is read without
-    consuming it, on a Redis broker only.
+    consuming it, on a Redis broker only; it is assumed to mirror the table, so if something
+    consumes it, pass --skip-queue.
     """
     runtime = _runtime(ctx)
     now = runtime.store.now()
     keys_section = _keys_without_lease(runtime, now)
     leases_section = _orphan_leases(runtime)
-    queue_section = _queue_comparison(runtime)
+    queue_section = (
+        Section(checked=False, reason="skipped (--skip-queue)")
+        if skip_queue
+        else _queue_comparison(runtime)
+    )
     reaper = _reaper_info(runtime, now)
     if apply_fixes:
         _apply_keys(runtime, keys_section)

@@ -367,6 +367,12 @@ def test_reconcile_finds_an_expired_lease_and_republishes_a_letter_missing_from_
         assert letter["id"] not in {i["id"] for i in after["table_only"] + after["queue_only"]}
         queued = drain_dead_letter_queue(shop, "celery_guard.dead_letters")
         assert letter["id"] in {body["id"] for body in queued}
+
+        # A queue that another system consumes is no evidence of lost letters: skip it.
+        skipped = guard_json("reconcile", "--skip-queue", "--apply")["dead_letter_queue"]
+        assert skipped["checked"] is False and "skip" in skipped["reason"]
+        assert skipped["table_only"] == [] and skipped["queue_only"] == []
+        assert drain_dead_letter_queue(shop, "celery_guard.dead_letters") == []
     finally:
         store.release(orphan, token, None)
 
