@@ -18,22 +18,14 @@ from tests.rig.servers import PostgresServer, RedisServer
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
-    server = PostgresServer()
-    server.start()
-    try:
+    with PostgresServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def fresh_database_name() -> str:

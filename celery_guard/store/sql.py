@@ -762,29 +762,26 @@ _owned_by_token = and_(
     keys.c.state == RUNNING,
 )
 
-_RELEASE = (
-    update(keys)
-    .where(_owned_by_token)
-    .values(
-        state=RELEASED,
-        lease_expires_at=None,
-        last_error=bindparam("p_error"),
-        updated_at=db_epoch_now(),
+
+def _end_ownership(state: str) -> Any:
+    """The token-checked end of an execution that did not complete (RELEASED or DEAD)."""
+    return (
+        update(keys)
+        .where(_owned_by_token)
+        .values(
+            state=state,
+            lease_expires_at=None,
+            last_error=bindparam("p_error"),
+            updated_at=db_epoch_now(),
+        )
     )
-)
+
+
+_RELEASE = _end_ownership(RELEASED)
 
 _GET = select(keys).where(keys.c.key == bindparam("p_key"))
 
-_MARK_DEAD = (
-    update(keys)
-    .where(_owned_by_token)
-    .values(
-        state=DEAD,
-        lease_expires_at=None,
-        last_error=bindparam("p_error"),
-        updated_at=db_epoch_now(),
-    )
-)
+_MARK_DEAD = _end_ownership(DEAD)
 
 # A replayed key starts over: attempts count again from the replay.
 _REVIVE_KEY = (

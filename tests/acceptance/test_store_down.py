@@ -19,12 +19,8 @@ pytestmark = pytest.mark.workers
 
 @pytest.fixture
 def stoppable_postgres() -> Iterator[PostgresServer]:
-    server = PostgresServer()
-    server.start()
-    try:
+    with PostgresServer() as server:  # its own server: this test stops and restarts it
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_delivery_waits_out_a_store_outage_and_then_runs_once(
