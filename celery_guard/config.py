@@ -25,6 +25,9 @@ DEFAULT_STORE_URL = "sqlite:///celery_guard.sqlite3"
 
 SUPPORTED_SCHEMES = ("sqlite", "postgresql")
 
+#: Default port of the worker's metrics endpoint.
+DEFAULT_METRICS_PORT = 9819
+
 
 @dataclass(frozen=True, kw_only=True)
 class GuardConfig:
@@ -85,6 +88,12 @@ class GuardConfig:
     default_error_class: str = "transient"
     #: Durable broker queue dead letters are also published to (nothing consumes it).
     dead_letter_queue: str = "celery_guard.dead_letters"
+    #: Port the worker's main process serves Prometheus metrics on (children's values summed),
+    #: or ``None`` for none. Not Flower's 5555 nor celery-exporter's 9808. Several workers on
+    #: one host each need their own port; one that cannot bind logs an error and goes on.
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    #: Address the metrics endpoint listens on.
+    metrics_address: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
@@ -134,6 +143,19 @@ class GuardConfig:
             raise ConfigurationError(
                 f"guard_lease_renew_interval ({self.lease_renew_interval}) must be shorter than "
                 f"guard_lease_ttl ({self.lease_ttl}), or the lease lapses between renewals"
+            )
+        if self.metrics_port is not None and (
+            isinstance(self.metrics_port, bool)
+            or not isinstance(self.metrics_port, int)
+            or not 0 <= self.metrics_port <= 65535
+        ):
+            raise ConfigurationError(
+                f"guard_metrics_port must be a TCP port (0-65535) or None, got "
+                f"{self.metrics_port!r}"
+            )
+        if not isinstance(self.metrics_address, str) or not self.metrics_address:
+            raise ConfigurationError(
+                f"guard_metrics_address must be a host address, got {self.metrics_address!r}"
             )
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))

@@ -39,6 +39,11 @@ app.conf.update(
     guard_backoff_max=float(os.environ.get("CG_BACKOFF_MAX", "1")),
     guard_max_attempts=int(os.environ.get("CG_MAX_ATTEMPTS", "5")),
     guard_dead_letter_queue=os.environ.get("CG_DEAD_LETTER_QUEUE", "celery_guard.dead_letters"),
+    # Several test workers share this host: no metrics endpoint unless a test asks for one.
+    guard_metrics_port=int(os.environ["CG_METRICS_PORT"])
+    if os.environ.get("CG_METRICS_PORT")
+    else None,
+    guard_metrics_address="127.0.0.1",
     guard_hard_deadline=float(os.environ["CG_HARD_DEADLINE"])
     if os.environ.get("CG_HARD_DEADLINE")
     else None,
