@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,6 +44,11 @@ class Execution:
         self.attempts = attempts
         #: ``NEW``, ``RETRY`` or ``TAKEOVER`` (see :class:`celery_guard.store.ClaimReason`).
         self.claim_reason = claim_reason
+        self._started = time.monotonic()
+
+    def elapsed(self) -> float:
+        """Seconds since the claim."""
+        return time.monotonic() - self._started
 
     @property
     def guarded(self) -> bool:

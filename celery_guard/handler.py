@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ class Delivery:
     #: Exceptions Celery's own ``autoretry_for`` retries for this task: when one escapes the
     #: body, Celery's retries are spent, so it is dead-lettered rather than retried again.
     celery_retries_for: tuple[type[BaseException], ...] = ()
+    #: When the message became due: its publish time (``guard_published_at`` header, epoch
+    #: seconds) or its ETA if later. ``None`` when unknown.
+    due_at: float | None = None
 
 
 class RetryLater(GuardError):
@@ -207,7 +211,7 @@ class GuardHandler:
             ttl=self.lease_ttl,
             hard_deadline=delivery.hard_deadline,
             progress_timeout=delivery.progress_timeout,
-            on_fence=lambda lost: self.states.execution_fenced(lost.key, lost.token),
+            on_fence=self._lease_lost,
         )
         execution = Execution(
             self.store,
@@ -224,6 +228,20 @@ class GuardHandler:
             record.attempts,
             record.claim_reason,
         )
+        signals.claimed.send(
+            sender=task,
+            key=delivery.key,
+            reason=record.claim_reason,
+            fencing_token=record.fencing_token,
+            attempts=record.attempts,
+            queue_lag=None if delivery.due_at is None else max(0.0, time.time() - delivery.due_at),
+        )
+        lease.description = {
+            "task": delivery.task_name,
+            "task_id": delivery.task_id,
+            "owner": delivery.owner,
+            "attempts": record.attempts,
+        }
         self.states.execution_started(lease.key, lease.token)
         self.heartbeat.hold(lease)
         try:
@@ -264,7 +282,13 @@ class GuardHandler:
         try:
             execution.finish(result, delivery.retention)
         except Fenced:
-            self._emit(task, delivery.key, signals.FENCED, execution.fencing_token)
+            self._emit(
+                task,
+                delivery.key,
+                signals.FENCED,
+                execution.fencing_token,
+                seconds=execution.elapsed(),
+            )
             logger.warning(
                 "celery_guard completion refused (fenced) key=%s token=%s: rolled back",
                 delivery.key,
@@ -276,7 +300,12 @@ class GuardHandler:
             # the store (COMPLETED, or our lease expiring), so deferring loses nothing.
             raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
         self._emit(
-            task, delivery.key, signals.COMPLETED, execution.fencing_token, execution.attempts
+            task,
+            delivery.key,
+            signals.COMPLETED,
+            execution.fencing_token,
+            execution.attempts,
+            seconds=execution.elapsed(),
         )
         return value
 
@@ -325,6 +354,7 @@ class GuardHandler:
                 execution.attempts,
                 delay=decision.delay,
                 error_class=error_class.value,
+                seconds=execution.elapsed(),
             )
             raise RetryLater(decision.delay, execution.attempts) from exc
         self._dead_letter(
@@ -337,6 +367,7 @@ class GuardHandler:
             error=str(exc)[:MAX_ERROR_TEXT] or type(exc).__name__,
             traceback_text="".join(traceback.format_exception(exc))[:20_000],
             reason=decision.reason,
+            seconds=execution.elapsed(),
         )
 
     def _dead_letter(
@@ -351,6 +382,7 @@ class GuardHandler:
         error: str,
         traceback_text: str | None,
         reason: str,
+        seconds: float | None = None,
     ) -> None:
         letter = DeadLetter(
             key=delivery.key,
@@ -390,7 +422,13 @@ class GuardHandler:
             attempts,
             error_class=error_class,
             reason=reason,
+            **({} if seconds is None else {"seconds": seconds}),
         )
+
+    def _lease_lost(self, lease: Lease) -> None:
+        self.states.execution_fenced(lease.key, lease.token)
+        if self.heartbeat.observer is not None:
+            self.heartbeat.observer.lease_lost(lease.fenced_cause or "expired")
 
     def _release_lease(self, key: str, handle: int | None) -> None:
         """Best effort: a lease that is not released expires on its own."""
@@ -423,7 +461,13 @@ class GuardHandler:
         if isinstance(exc, Fenced) or execution.fenced:
             # Never release a lost lease: the key stays RUNNING until it expires, and the
             # reaper re-publishes it. A RELEASED key would wait for a delivery that may not come.
-            self._emit(task, execution.key, signals.FENCED, execution.fencing_token)
+            self._emit(
+                task,
+                execution.key,
+                signals.FENCED,
+                execution.fencing_token,
+                seconds=execution.elapsed(),
+            )
             return
         error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
         try:
@@ -436,7 +480,13 @@ class GuardHandler:
                 execution.fencing_token,
                 store_exc,
             )
-        self._emit(task, execution.key, signals.RELEASED, execution.fencing_token)
+        self._emit(
+            task,
+            execution.key,
+            signals.RELEASED,
+            execution.fencing_token,
+            seconds=execution.elapsed(),
+        )
 
     def _in_flight_backoff(self, lease_remaining: float, deferrals: int) -> float:
         # Check back soon for short tasks, never later than the holder's lease can last.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_guard import metrics
 from celery_guard.config import GuardConfig
 from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import ConfigurationError, StoreError
@@ -16,6 +18,7 @@ from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.lease.liveness import ProcessLiveness
 from celery_guard.reaper import Reaper
+from celery_guard.sampling import PUBLISHED_AT_HEADER
 from celery_guard.store.sql import SqlStore
 from celery_guard.worker import GuardStep
 from celery_guard.worker_state import StateTracker
@@ -37,8 +40,11 @@ class GuardRuntime:
             if config.lease_url is None
             else RedisLeases(config.lease_url, timeout=config.store_timeout)
         )
-        self.heartbeat = Heartbeat(self.leases, interval=config.renew_interval)
+        self.heartbeat = Heartbeat(
+            self.leases, interval=config.renew_interval, observer=metrics.LeaseMetrics()
+        )
         self.states = StateTracker()
+        self.states.on_change = metrics.record_executions
         self.dead_letters = DeadLetterSink(app, self.store, config.dead_letter_queue)
         self.handler = GuardHandler(
             self.store,
@@ -76,6 +82,10 @@ def install(app: Celery) -> GuardRuntime:
         return existing
     runtime = GuardRuntime(app, GuardConfig.from_celery_conf(app.conf))
     setattr(app, _RUNTIME_ATTRIBUTE, runtime)
+    metrics.connect_signals()
+    signals.before_task_publish.connect(
+        _stamp_publish_time, weak=False, dispatch_uid="celery_guard.published_at"
+    )
     _connect_worker_signals(app, runtime)
     app.steps["worker"].add(GuardStep)
     return runtime
@@ -92,10 +102,18 @@ def get_runtime(app: Celery) -> GuardRuntime:
     return runtime
 
 
+def _stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """Every published message carries its publish time: queue lag and oldest-waiting age."""
+    if headers is not None:
+        headers[PUBLISHED_AT_HEADER] = time.time()
+
+
 def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", app) is not app:
             return
+        # Before the pool forks: every child writes its metrics where the main process reads.
+        metrics.enable_multiprocess()
         if runtime.config.create_tables:
             # Once in the main process, before the pool forks, so children do not race to
             # create the same tables; then drop the connection so no child inherits it.

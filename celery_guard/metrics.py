@@ -20,9 +20,31 @@ against it.
 
 from __future__ import annotations
 
+import atexit
+import glob
 import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    multiprocess,
+    start_http_server,
+    values,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from celery_guard import signals
 
 logger = logging.getLogger("celery_guard.metrics")
 
@@ -45,7 +67,7 @@ class MetricSpec:
     #: "worker": the worker's main process; "sampled": only the reaper's holder exports it.
     scope: Literal["process", "worker", "sampled"] = "process"
     #: How a gauge of several processes is combined (prometheus_client multiprocess modes).
-    multiprocess_mode: str = "livesum"
+    multiprocess_mode: Literal["livesum", "livemax"] = "livesum"
 
     @property
     def sample_names(self) -> tuple[str, ...]:
@@ -261,3 +283,356 @@ SPECS: Final = {spec.name: spec for spec in CATALOGUE}
 def exported_names() -> set[str]:
     """Every sample name celery_guard exports (for checking dashboards and rules)."""
     return {name for spec in CATALOGUE for name in spec.sample_names}
+
+
+# -- process metrics ---------------------------------------------------------------------------
+
+
+class ProcessMetrics:
+    """The prometheus_client objects of one process (created lazily, after multiprocess setup)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.objects: dict[str, Any] = {}
+        for spec in CATALOGUE:
+            if spec.kind == "gauge" and spec.scope != "process":
+                continue  # read at scrape time by WorkerCollector
+            options: dict[str, Any] = {"labelnames": spec.labels, "registry": registry}
+            if spec.kind == "counter":
+                metric: Any = Counter(spec.name, spec.help, **options)
+            elif spec.kind == "histogram":
+                buckets = _RECOVERY_BUCKETS if "recovery" in spec.name else _LATENCY_BUCKETS
+                metric = Histogram(spec.name, spec.help, buckets=buckets, **options)
+            else:
+                metric = Gauge(
+                    spec.name, spec.help, multiprocess_mode=spec.multiprocess_mode, **options
+                )
+            self.objects[spec.name] = metric
+
+    def __getitem__(self, name: str) -> Any:
+        return self.objects[name]
+
+
+_lock = threading.Lock()
+_metrics: ProcessMetrics | None = None
+#: Where single-process metrics live (never prometheus_client's global REGISTRY, so an app's
+#: own metrics and ours never collide).
+_local_registry = CollectorRegistry(auto_describe=True)
+_multiprocess_dir: str | None = None
+_owned_dir: str | None = None
+
+
+def process_metrics() -> ProcessMetrics:
+    """This process's metric objects."""
+    global _metrics
+    metrics = _metrics
+    if metrics is None:
+        with _lock:
+            if _metrics is None:
+                _metrics = ProcessMetrics(None if _multiprocess_dir else _local_registry)
+            metrics = _metrics
+    return metrics
+
+
+def multiprocess_directory() -> str | None:
+    """The directory children write their values to, once :func:`enable_multiprocess` ran."""
+    return _multiprocess_dir
+
+
+def enable_multiprocess() -> str:
+    """Switch this process (and the children it forks later) to multiprocess metrics.
+
+    Called in a worker's main process before the pool forks. Uses ``PROMETHEUS_MULTIPROC_DIR``
+    when the user set it (then clearing it between runs is theirs to do, as prometheus_client
+    documents); otherwise a fresh private directory, removed when the main process exits.
+    """
+    global _metrics, _multiprocess_dir, _owned_dir
+    with _lock:
+        if _multiprocess_dir is not None:
+            return _multiprocess_dir
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory:
+            directory = tempfile.mkdtemp(prefix="celery_guard-metrics-")
+            _owned_dir = directory
+            os.environ[MULTIPROC_ENV] = directory
+            atexit.register(_remove_owned_dir, os.getpid())
+        os.makedirs(directory, exist_ok=True)
+        # prometheus_client picks its value class when first imported; metric objects made
+        # from now on (ours are made lazily) write to files in ``directory``.
+        values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+        _metrics = None
+        _multiprocess_dir = directory
+        return directory
+
+
+def _remove_owned_dir(pid: int) -> None:
+    if os.getpid() == pid and _owned_dir is not None:  # never from a forked child
+        shutil.rmtree(_owned_dir, ignore_errors=True)
+
+
+def forget_dead_processes(directory: str) -> None:
+    """Drop the live-gauge files of processes that are gone (SIGKILLed children included).
+
+    prometheus_client's ``mark_process_dead`` is meant for a process manager's exit hook; a
+    SIGKILLed child runs no hook, so the main process checks pids at each scrape instead.
+    Counters and histograms are kept: their totals must survive the child.
+    """
+    pids = set()
+    for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
+        match = re.search(r"_(\d+)\.db$", path)
+        if match:
+            pids.add(int(match.group(1)))
+    for pid in pids:
+        if not _pid_alive(pid):
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_execution_counts() -> tuple[int, int] | None:
+    """(running, fenced) guarded executions summed over this worker's processes.
+
+    ``None`` outside multiprocess mode (the process's own tracker knows then).
+    """
+    directory = _multiprocess_dir
+    if directory is None:
+        return None
+    forget_dead_processes(directory)
+    files = glob.glob(os.path.join(directory, "gauge_livesum_*.db"))
+    totals = {"celery_guard_executions_running": 0.0, "celery_guard_executions_fenced": 0.0}
+    merged = multiprocess.MultiProcessCollector.merge(  # type: ignore[no-untyped-call]
+        files, accumulate=False
+    )
+    for metric in merged:
+        for sample in metric.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return (
+        int(totals["celery_guard_executions_running"]),
+        int(totals["celery_guard_executions_fenced"]),
+    )
+
+
+# -- recording (subscribers of celery_guard's signals and observers of its parts) ---------------
+
+
+def _task_name(sender: Any) -> str:
+    return str(getattr(sender, "name", None) or sender)
+
+
+def record_outcome(sender: Any = None, outcome: str = "", **extra: Any) -> None:
+    """``celery_guard.signals.outcome`` receiver."""
+    task = _task_name(sender)
+    metrics = process_metrics()
+    metrics["celery_guard_tasks"].labels(task=task, outcome=outcome).inc()
+    if outcome == signals.RETRIED:
+        error_class = str(extra.get("error_class") or "unknown")
+        metrics["celery_guard_retries"].labels(task=task, error_class=error_class).inc()
+    elif outcome == signals.DEAD_LETTERED:
+        error_class = str(extra.get("error_class") or "unknown")
+        metrics["celery_guard_dead_letters"].labels(task=task, error_class=error_class).inc()
+    seconds = extra.get("seconds")
+    if seconds is not None:
+        metrics["celery_guard_task_duration_seconds"].labels(task=task, outcome=outcome).observe(
+            seconds
+        )
+
+
+def record_claim(sender: Any = None, reason: str | None = None, **extra: Any) -> None:
+    """``celery_guard.signals.claimed`` receiver."""
+    task = _task_name(sender)
+    metrics = process_metrics()
+    metrics["celery_guard_lease_acquisitions"].labels(
+        task=task, reason=(reason or "new").lower()
+    ).inc()
+    lag = extra.get("queue_lag")
+    if lag is not None:
+        metrics["celery_guard_queue_lag_seconds"].labels(task=task).observe(lag)
+
+
+def record_executions(running: int, fenced: int) -> None:
+    """:class:`~celery_guard.worker_state.StateTracker` change hook."""
+    metrics = process_metrics()
+    metrics["celery_guard_executions_running"].set(running)
+    metrics["celery_guard_executions_fenced"].set(fenced)
+
+
+def record_store_call(ok: bool, timed_out: bool = False) -> None:
+    """One store call made for a delivery (the circuit breaker's input, too)."""
+    result = "ok" if ok else ("timeout" if timed_out else "error")
+    process_metrics()["celery_guard_store_calls"].labels(result=result).inc()
+
+
+class LeaseMetrics:
+    """The heartbeat's observer (:class:`~celery_guard.lease.heartbeat.LeaseObserver`)."""
+
+    def renewal_failed(self, reason: str) -> None:
+        process_metrics()["celery_guard_lease_renewal_failures"].labels(reason=reason).inc()
+
+    def lease_lost(self, cause: str) -> None:
+        process_metrics()["celery_guard_lease_expirations"].labels(reason=cause).inc()
+
+    def renewed(self, gap: float) -> None:
+        process_metrics()["celery_guard_heartbeat_gap_seconds"].observe(gap)
+
+    def round_done(self, oldest_lease_age: float, oldest_progress_age: float) -> None:
+        metrics = process_metrics()
+        metrics["celery_guard_lease_age_seconds"].set(oldest_lease_age)
+        metrics["celery_guard_lease_progress_age_seconds"].set(oldest_progress_age)
+
+
+def record_reaper_pass(recovered_for: list[float], dead_owners: int) -> None:
+    """What one reaper pass did (worker's main process)."""
+    metrics = process_metrics()
+    for seconds in recovered_for:
+        metrics["celery_guard_orphans_recovered"].inc()
+        metrics["celery_guard_orphan_recovery_seconds"].observe(seconds)
+    if dead_owners:
+        metrics["celery_guard_dead_owner_takeovers"].inc(dead_owners)
+
+
+def connect_signals() -> None:
+    """Subscribe the recorders to celery_guard's signals (idempotent)."""
+    signals.outcome.connect(record_outcome, weak=False, dispatch_uid="celery_guard.metrics")
+    signals.claimed.connect(record_claim, weak=False, dispatch_uid="celery_guard.metrics")
+
+
+# -- what the worker's main process exports -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """The main process's view at scrape time (built by the runtime)."""
+
+    state: str
+    leader: bool
+    circuit_state: int | None = None
+    circuit_opened: int | None = None
+    pool_concurrency: int | None = None
+    #: The reaper holder's last sample (``None`` when this worker does not hold the lease).
+    sample: Any = None
+
+
+class WorkerCollector(Collector):
+    """Main-process series, read from ``snapshot()`` at each scrape."""
+
+    def __init__(self, snapshot: Callable[[], WorkerSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        from celery_guard.worker_state import WorkerState
+
+        state = _family("celery_guard_worker_state")
+        for name in WorkerState:
+            state.add_metric([name.value], 1.0 if name.value == snap.state else 0.0)
+        yield state
+        yield _single("celery_guard_reaper_leader", 1.0 if snap.leader else 0.0)
+        if snap.circuit_state is not None:
+            yield _single("celery_guard_circuit_state", float(snap.circuit_state))
+        if snap.pool_concurrency is not None:
+            yield _single("celery_guard_pool_concurrency", float(snap.pool_concurrency))
+        sample = snap.sample
+        if sample is None:
+            return
+        keys = _family("celery_guard_keys")
+        for key_state, count in sorted(sample.keys_by_state.items()):
+            keys.add_metric([key_state], float(count))
+        yield keys
+        yield _single("celery_guard_expired_leases", float(sample.expired_leases))
+        yield _single("celery_guard_oldest_running_seconds", sample.oldest_running_seconds)
+        yield _single("celery_guard_dead_letters_pending", float(sample.dead_letters_pending))
+        depth = _family("celery_guard_queue_depth")
+        oldest = _family("celery_guard_queue_oldest_age_seconds")
+        for queue, (count, age) in sorted(sample.queues.items()):
+            depth.add_metric([queue], float(count))
+            if age is not None:
+                oldest.add_metric([queue], age)
+        yield depth
+        yield oldest
+        up = _family("celery_guard_worker_up")
+        alive = 0
+        for worker in sample.workers:
+            up.add_metric([worker.hostname], 1.0 if worker.alive else 0.0)
+            alive += int(worker.alive)
+        yield up
+        yield _single("celery_guard_workers_alive", float(alive))
+
+
+def _family(name: str) -> GaugeMetricFamily:
+    spec = SPECS[name]
+    return GaugeMetricFamily(name, spec.help, labels=list(spec.labels))
+
+
+def _single(name: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, SPECS[name].help, value=value)
+
+
+class ProcessCollector(Collector):
+    """Every process's counters, histograms and gauges, summed (or this process's alone)."""
+
+    def collect(self) -> Iterator[Metric]:
+        directory = _multiprocess_dir
+        if directory is None:
+            process_metrics()  # so that every family is exported, even at zero
+            yield from _local_registry.collect()
+            return
+        process_metrics()
+        forget_dead_processes(directory)
+        collector = multiprocess.MultiProcessCollector(None, directory)  # type: ignore[no-untyped-call]
+        yield from collector.collect()  # type: ignore[no-untyped-call]
+
+
+def build_registry(snapshot: Callable[[], WorkerSnapshot]) -> CollectorRegistry:
+    """A registry with everything celery_guard exports from a worker.
+
+    To mount it into an exporter you already run, register :class:`ProcessCollector` and a
+    :class:`WorkerCollector` there instead (see docs/monitoring.md).
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ProcessCollector())
+    registry.register(WorkerCollector(snapshot))
+    return registry
+
+
+class MetricsServer:
+    """prometheus_client's HTTP exposition in a daemon thread of the worker's main process."""
+
+    def __init__(self, registry: CollectorRegistry, address: str, port: int) -> None:
+        self.registry = registry
+        self.address = address
+        self.port = port
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Serve; False (logged) when the port cannot be bound, so the worker still runs."""
+        try:
+            self._server, self._thread = start_http_server(
+                self.port, addr=self.address, registry=self.registry
+            )
+        except OSError as exc:
+            logger.error(
+                "celery_guard metrics: cannot listen on %s:%s (%s); metrics are not served "
+                "(set guard_metrics_port to a free port, or None)",
+                self.address,
+                self.port,
+                exc,
+            )
+            return False
+        self.port = self._server.server_port
+        logger.info("celery_guard metrics on http://%s:%s/metrics", self.address, self.port)
+        return True
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,19 @@ class Reaper:
         interval: float,
         lease_ttl: float,
         holder: str | None = None,
+        lead: bool = True,
+        on_pass: Callable[[], None] | None = None,
+        on_leader_pass: Callable[[], None] | None = None,
+        on_report: Callable[[ReaperReport], None] | None = None,
     ) -> None:
+        #: Whether this worker competes for the reaper's lease (``guard_reaper_enabled``);
+        #: when not, the loop only runs ``on_pass`` (the worker's own heartbeat).
+        self.lead = lead
+        self.on_pass = on_pass
+        self.on_leader_pass = on_leader_pass
+        self.on_report = on_report
+        #: Whether the last pass held the lease.
+        self.leader = False
         self.app = app
         self.store = store
         self.leases = leases
@@ -75,6 +88,10 @@ class Reaper:
     def run_once(self) -> ReaperReport:
         """One pass; store failures are logged and retried at the next pass."""
         report = ReaperReport()
+        if self.on_pass is not None:
+            self.on_pass()
+        if not self.lead:
+            return report
         try:
             # The election lease outlives two missed passes but not a dead holder for long: a
             # SIGKILLed leader delays every recovery until it ends (bench/recovery.py). Two
@@ -82,6 +99,7 @@ class Reaper:
             report.leader = self.store.acquire_leadership(
                 LEADER_NAME, self.holder, ttl=3 * self.interval
             )
+            self.leader = report.leader
             if not report.leader:
                 return report
             self._take_over_dead_owners(report)
@@ -95,7 +113,12 @@ class Reaper:
                     self._recover(record, now, report)
             report.pruned = self.store.prune_completed(limit=1000)
         except StoreError as exc:
+            self.leader = False
             logger.warning("celery_guard reaper pass failed: %s", exc)
+        if self.leader and self.on_leader_pass is not None:
+            self.on_leader_pass()
+        if self.on_report is not None:
+            self.on_report(report)
         if report.recovered or report.unrecoverable or report.pruned:
             logger.info(
                 "celery_guard reaper: recovered=%d unrecoverable=%d pruned=%d",

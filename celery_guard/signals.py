@@ -2,7 +2,13 @@
 
 ``outcome`` is sent once per guarded delivery with ``sender`` = the task, and keyword arguments
 ``key`` (str), ``outcome`` (one of :data:`OUTCOMES`), ``fencing_token`` (int or None) and
-``attempts`` (int or None).
+``attempts`` (int or None). Outcomes that end an execution whose body ran (completed, fenced,
+released, retried, dead_lettered) also carry ``seconds``: from the claim to that end.
+
+``claimed`` is sent when a delivery owns its key and its body is about to run, with ``key``,
+``reason`` (``NEW``, ``RETRY`` after a release, ``TAKEOVER`` of an expired lease),
+``fencing_token``, ``attempts`` and ``queue_lag`` (seconds from publish, or the message's ETA
+if later, to the claim; ``None`` when the message carried no publish time).
 """
 
 from __future__ import annotations
@@ -48,3 +54,4 @@ OUTCOMES: Final = (
 )
 
 outcome = Signal(name="celery_guard.outcome")
+claimed = Signal(name="celery_guard.claimed")

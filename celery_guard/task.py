@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import datetime
 from typing import Any, ClassVar
 
 from celery import Task
@@ -26,11 +27,14 @@ from celery_guard.keys import (
     validate_key,
 )
 from celery_guard.policy import ErrorClass, import_classes
+from celery_guard.sampling import PUBLISHED_AT_HEADER
 
 #: Message headers celery_guard sets; prefixed so they never shadow a Celery ``Context`` field.
 HEADER_KEY = "guard_idempotency_key"
 HEADER_KEY_SOURCE = "guard_key_source"
 HEADER_DEFERRALS = "guard_deferrals"
+#: Epoch seconds at publish, stamped on every message (queue lag = claim time - this).
+HEADER_PUBLISHED_AT = PUBLISHED_AT_HEADER
 
 _EXECUTION_ATTRIBUTE = "_celery_guard_execution"
 
@@ -264,6 +268,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             celery_retries_for=tuple(getattr(self, "autoretry_for", ()) or ()),
             owner=f"{request.hostname or socket.gethostname()}/{os.getpid()}",
             deferrals=int(headers.get(HEADER_DEFERRALS) or 0),
+            due_at=_due_at(request, headers),
         )
 
     def classify_error(self, exc: BaseException) -> ErrorClass:
@@ -321,3 +326,20 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             return rejected
         retry: BaseException = Retry(str(deferred), when=deferred.countdown, sig=signature)
         return retry
+
+
+def _due_at(request: Any, headers: dict[str, Any]) -> float | None:
+    """When the message became due: its publish time, or its ETA if that is later."""
+    published = headers.get(HEADER_PUBLISHED_AT) or getattr(request, HEADER_PUBLISHED_AT, None)
+    try:
+        due = float(published) if published is not None else None
+    except (TypeError, ValueError):
+        due = None
+    eta = request.eta
+    if eta:
+        try:
+            eta_at = (eta if isinstance(eta, datetime) else datetime.fromisoformat(eta)).timestamp()
+        except (TypeError, ValueError):
+            return due
+        due = eta_at if due is None else max(due, eta_at)
+    return due

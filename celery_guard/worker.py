@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 from celery import bootsteps
 
+from celery_guard import metrics
 from celery_guard.errors import StoreError
-from celery_guard.reaper import Reaper
-from celery_guard.worker_state import WorkerState
+from celery_guard.metrics import MetricsServer, WorkerSnapshot, build_registry
+from celery_guard.reaper import Reaper, ReaperReport
+from celery_guard.sampling import Sample, Sampler
+from celery_guard.worker_state import WorkerState, combine_state
 
 logger = logging.getLogger("celery_guard.worker")
 
@@ -24,6 +28,8 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.reaper: Reaper | None = None
+        self.monitor: WorkerMonitor | None = None
+        self.metrics_server: MetricsServer | None = None
 
     def create(self, parent: Any) -> None:
         # No service object: Celery would call its stop()/terminate() without the parent.
@@ -34,17 +40,30 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
 
         runtime = get_runtime(parent.app)
         runtime.states.set_lifecycle_ready()
-        if runtime.config.reaper_enabled:
-            self.reaper = Reaper(
-                parent.app,
-                runtime.store,
-                runtime.leases,
-                interval=runtime.config.reaper_interval,
-                lease_ttl=runtime.config.lease_ttl,
-                holder=parent.hostname,
+        config = runtime.config
+        monitor = WorkerMonitor(runtime, parent)
+        self.monitor = monitor
+        # The reaper's loop also carries this worker's heartbeat, so it runs even when the
+        # worker does not compete for the reaper's lease.
+        self.reaper = Reaper(
+            parent.app,
+            runtime.store,
+            runtime.leases,
+            interval=config.reaper_interval,
+            lease_ttl=config.lease_ttl,
+            holder=parent.hostname,
+            lead=config.reaper_enabled,
+            on_pass=monitor.beat,
+            on_leader_pass=monitor.sample,
+            on_report=monitor.record_report,
+        )
+        self.reaper.start()
+        runtime.reaper = self.reaper
+        if config.metrics_port is not None:
+            self.metrics_server = MetricsServer(
+                build_registry(monitor.snapshot), config.metrics_address, config.metrics_port
             )
-            self.reaper.start()
-            runtime.reaper = self.reaper
+            self.metrics_server.start()
 
     def stop(self, parent: Any) -> None:
         """Warm shutdown: drain, then hand back what did not finish in time."""
@@ -54,6 +73,7 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         runtime.states.set_lifecycle(WorkerState.DRAINING, reason="warm shutdown")
         self._stop_reaper()
         drain(runtime, parent.hostname)
+        self._stop_monitoring()
 
     def terminate(self, parent: Any) -> None:
         """Cold shutdown: no drain; running keys' leases expire and the reaper recovers them."""
@@ -61,16 +81,26 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
 
         get_runtime(parent.app).states.set_lifecycle(WorkerState.DRAINING, reason="cold shutdown")
         self._stop_reaper()
+        self._stop_monitoring()
 
     def _stop_reaper(self) -> None:
         if self.reaper is not None:
             self.reaper.stop()
             self.reaper = None
 
+    def _stop_monitoring(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        if self.monitor is not None:
+            self.monitor.leave()
+            self.monitor = None
+
     def shutdown(self, parent: Any) -> None:
         from celery_guard.install import get_runtime
 
         get_runtime(parent.app).states.set_lifecycle(WorkerState.STOPPED, reason="shutdown")
+        self._stop_monitoring()
 
 
 def drain(runtime: Any, hostname: str) -> list[str]:
@@ -104,3 +134,66 @@ def drain(runtime: Any, hostname: str) -> list[str]:
         ", ".join(keys[:20]),
     )
     return keys
+
+
+class WorkerMonitor:
+    """The main process's view of its worker: heartbeat row, samples, metrics snapshot."""
+
+    def __init__(self, runtime: Any, parent: Any) -> None:
+        self.runtime = runtime
+        self.parent = parent
+        self.hostname: str = parent.hostname
+        self.pid = os.getpid()
+        self.sample_: Sample | None = None
+        queues = sorted(parent.app.amqp.queues.consume_from or parent.app.amqp.queues)
+        self.sampler = Sampler(parent.app, runtime.store, queues)
+
+    def state(self) -> tuple[str, int, int]:
+        """(state, running, fenced): the main process's lifecycle, else its children's work."""
+        counts = metrics.live_execution_counts() or self.runtime.states.counts()
+        running, fenced = counts
+        return combine_state(self.runtime.states.lifecycle, running, fenced).value, running, fenced
+
+    def beat(self) -> None:
+        """Record this worker as alive for one lease TTL (every reaper interval)."""
+        state, running, fenced = self.state()
+        try:
+            self.runtime.store.beat_worker(
+                self.hostname,
+                pid=self.pid,
+                state=state,
+                running=running,
+                fenced=fenced,
+                circuit=None,
+                ttl=self.runtime.config.lease_ttl,
+            )
+        except StoreError as exc:
+            logger.info("celery_guard worker heartbeat not recorded: %s", exc)
+
+    def sample(self) -> None:
+        """The reaper's holder samples the store and the broker for the cluster-wide series."""
+        self.sample_ = self.sampler.sample()
+
+    def record_report(self, report: ReaperReport) -> None:
+        if not report.leader:
+            self.sample_ = None  # only the holder exports the sampled series
+        metrics.record_reaper_pass(report.orphaned_for, len(report.dead_owners))
+
+    def snapshot(self) -> WorkerSnapshot:
+        pool = getattr(self.parent, "pool", None)
+        reaper = self.runtime.reaper
+        leader = bool(reaper is not None and reaper.leader)
+        return WorkerSnapshot(
+            state=self.state()[0],
+            leader=leader,
+            pool_concurrency=getattr(pool, "num_processes", None),
+            sample=self.sample_ if leader else None,
+        )
+
+    def leave(self) -> None:
+        """Clean shutdown: drop this worker's heartbeat row (a killed worker's just expires)."""
+        self.sampler.close()
+        try:
+            self.runtime.store.remove_worker(self.hostname, self.pid)
+        except StoreError as exc:
+            logger.info("celery_guard could not remove the worker heartbeat: %s", exc)

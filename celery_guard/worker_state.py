@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+from collections.abc import Callable
 
 logger = logging.getLogger("celery_guard.worker")
 
@@ -31,6 +32,18 @@ class StateTracker:
         self._running = 0
         self._fenced: set[tuple[str, int]] = set()
         self._lifecycle: WorkerState | None = None  # DRAINING or STOPPED, when set
+        #: Called with (running, fenced) after every change, under the tracker's lock.
+        self.on_change: Callable[[int, int], None] | None = None
+
+    def counts(self) -> tuple[int, int]:
+        """Executions running and fenced in this process."""
+        with self._lock:
+            return self._running, len(self._fenced)
+
+    @property
+    def lifecycle(self) -> WorkerState | None:
+        """DRAINING or STOPPED once set; ``None`` while executions decide the state."""
+        return self._lifecycle
 
     def execution_started(self, key: str, token: int) -> None:
         with self._lock:
@@ -61,17 +74,23 @@ class StateTracker:
             self._settle(reason="worker started")
 
     def _settle(self, **context: object) -> None:
-        if self._lifecycle is not None:
-            new = self._lifecycle
-        elif self._fenced:
-            new = WorkerState.FENCED
-        elif self._running:
-            new = WorkerState.PROCESSING
-        else:
-            new = WorkerState.READY
+        if self.on_change is not None:
+            self.on_change(self._running, len(self._fenced))
+        new = combine_state(self._lifecycle, self._running, len(self._fenced))
         if new is not self.state:
             details = " ".join(f"{name}={value}" for name, value in context.items())
             logger.info(
                 "celery_guard worker state %s -> %s %s", self.state.value, new.value, details
             )
             self.state = new
+
+
+def combine_state(lifecycle: WorkerState | None, running: int, fenced: int) -> WorkerState:
+    """A worker's state from its lifecycle and its executions (a fenced one outranks running)."""
+    if lifecycle is not None:
+        return lifecycle
+    if fenced:
+        return WorkerState.FENCED
+    if running:
+        return WorkerState.PROCESSING
+    return WorkerState.READY

@@ -179,8 +179,10 @@ def _table(headers: list[str], rows: Iterable[list[Any]], indent: str = "") -> s
 
 def _fields(pairs: list[tuple[str, Any]]) -> str:
     width = max(len(name) for name, _ in pairs)
+    indent = "\n" + " " * (width + 2)  # multi-line values stay in their column
     return "\n".join(
-        f"{name.ljust(width)}  {'-' if value is None else value}" for name, value in pairs
+        f"{name.ljust(width)}  {'-' if value is None else str(value).replace(chr(10), indent)}"
+        for name, value in pairs
     )
 
 

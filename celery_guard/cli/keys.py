@@ -38,7 +38,8 @@ from celery_guard.store.schema import KeyState
 @json_option
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Keys per state, the oldest RUNNING key, expired leases, the reaper and dead letters."""
+    """Keys per state, the oldest RUNNING key, expired leases, the reaper, dead letters and
+    workers (by their heartbeats in the store: a killed worker shows as down within one TTL)."""
     runtime = _runtime(ctx)
     store = runtime.store
     now = store.now()
@@ -76,6 +77,23 @@ def status(ctx: click.Context, as_json: bool) -> None:
         "running_without_live_lease": without_lease,
         "reaper": _reaper_info(runtime, now),
         "dead_letters": {"total": total, "not_replayed": pending},
+        # Redis leases only: what runs now, read from Redis beside the leases (for people;
+        # never used to decide anything). Bodies shorter than one renewal interval don't show.
+        "live": _live_info(runtime, now) if redis_leases else None,
+        "workers": [
+            {
+                "hostname": worker.hostname,
+                "pid": worker.pid,
+                "alive": worker.alive,
+                "state": worker.state if worker.alive else "DOWN",
+                "running": worker.running,
+                "fenced": worker.fenced,
+                "last_seen": _iso(worker.seen_at),
+                "seconds_since_seen": _secs(now - worker.seen_at),
+                "up_since": _iso(worker.started_at),
+            }
+            for worker in store.list_workers()
+        ],
     }
     if as_json:
         _emit_json(report)
@@ -105,9 +123,60 @@ def status(ctx: click.Context, as_json: bool) -> None:
                 ("RUNNING, no live lease", f"{without_lease} ({lease_kind})"),
                 ("reaper", _reaper_line(report["reaper"])),
                 ("dead letters", f"{total} total, {pending} not replayed"),
+                ("workers", _workers_line(report["workers"])),
+                *(
+                    [("running now (Redis)", _live_line(report["live"]))]
+                    if report["live"] is not None
+                    else []
+                ),
             ]
         )
     )
+
+
+def _live_info(runtime: Any, now: float) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = runtime.leases.live_statuses(limit=1000)
+    for entry in entries:
+        for field in ("started_at", "progress_at", "renewed_at"):
+            if isinstance(entry.get(field), (int, float)):
+                entry[field.replace("_at", "_seconds_ago")] = _secs(now - entry[field])
+                entry[field] = _iso(entry[field])
+    return entries
+
+
+def _live_line(entries: list[dict[str, Any]], shown: int = 10) -> str:
+    if not entries:
+        return "nothing (bodies show after their first lease renewal)"
+    lines = [
+        f"{entry.get('key')} ({entry.get('task')}) on {entry.get('owner')}, "
+        f"running {_human_secs(entry.get('started_seconds_ago'))}, last progress "
+        f"{_human_secs(entry.get('progress_seconds_ago'))} ago"
+        + (
+            f": {_cut(json.dumps(entry['progress'], default=str), 60)}"
+            if entry.get("progress") is not None
+            else ""
+        )
+        for entry in entries[:shown]
+    ]
+    if len(entries) > shown:
+        lines.append(f"... and {len(entries) - shown} more (--json lists them all)")
+    return "\n".join(lines)
+
+
+def _workers_line(workers: list[dict[str, Any]]) -> str:
+    if not workers:
+        return "none has a heartbeat in the store (no worker running, or none seen in an hour)"
+    lines = []
+    for worker in workers:
+        if worker["alive"]:
+            work = f"{worker['running']} running" + (
+                f", {worker['fenced']} fenced" if worker["fenced"] else ""
+            )
+            lines.append(f"{worker['hostname']} {worker['state']} ({work})")
+        else:
+            seen = _human_secs(worker["seconds_since_seen"])
+            lines.append(f"{worker['hostname']} DOWN (last heartbeat {seen} ago)")
+    return "\n".join(lines)
 
 
 # -- key show -----------------------------------------------------------------------------------

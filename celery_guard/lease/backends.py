@@ -8,9 +8,10 @@ release in Lua, ``INCR`` for the fencing counter (seed 001).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -42,8 +43,17 @@ class LeaseBackend(Protocol):
 
     def acquire(self, key: str, ttl: float) -> Acquisition: ...
 
-    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
-        """Extend each (key, handle) lease still held; return the renewed keys."""
+    def renew_leases(
+        self,
+        leases: Iterable[tuple[str, int]],
+        ttl: float,
+        statuses: Mapping[str, str] | None = None,
+    ) -> set[str]:
+        """Extend each (key, handle) lease still held; return the renewed keys.
+
+        ``statuses`` (key -> JSON) is what runs, for operators; a backend may publish it
+        beside the lease (Redis does) or ignore it. It never decides anything.
+        """
         ...
 
     def release(self, key: str, handle: int | None) -> bool:
@@ -66,7 +76,13 @@ class SqlLeases:
     def acquire(self, key: str, ttl: float) -> Acquisition:
         return Acquisition(acquired=True)
 
-    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+    def renew_leases(
+        self,
+        leases: Iterable[tuple[str, int]],
+        ttl: float,
+        statuses: Mapping[str, str] | None = None,
+    ) -> set[str]:
+        # The rows hold owner and lease times already; live status is a Redis-backend feature.
         return self.store.renew_leases(leases, ttl)
 
     def release(self, key: str, handle: int | None) -> bool:
@@ -89,6 +105,9 @@ return {1, token, tonumber(ARGV[1])}
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if ARGV[3] ~= '' then
+    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+  end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
@@ -96,6 +115,7 @@ return 0
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[2])
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -122,6 +142,9 @@ class RedisLeases:
 
     def fence_key(self, key: str) -> str:
         return f"{self.prefix}:{{{key}}}:fence"
+
+    def status_key(self, key: str) -> str:
+        return f"{self.prefix}:{{{key}}}:status"
 
     @property
     def client(self) -> redis.Redis:
@@ -160,18 +183,25 @@ class RedisLeases:
             acquired=bool(acquired), handle=int(token), remaining=max(0, int(pttl)) / 1000
         )
 
-    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+    def renew_leases(
+        self,
+        leases: Iterable[tuple[str, int]],
+        ttl: float,
+        statuses: Mapping[str, str] | None = None,
+    ) -> set[str]:
         pairs = list(leases)
         if not pairs:
             return set()
         client = self.client
+        statuses = statuses or {}
         try:
-            # One round trip for every lease this process holds.
+            # One round trip for every lease this process holds; the live status rides along
+            # (seed 002: what runs now, readable without touching the database).
             pipeline = client.pipeline(transaction=False)
             for key, handle in pairs:
                 self._scripts["renew"](
-                    keys=[self.lease_key(key)],
-                    args=[handle, max(1, int(ttl * 1000))],
+                    keys=[self.lease_key(key), self.status_key(key)],
+                    args=[handle, max(1, int(ttl * 1000)), statuses.get(key, "")],
                     client=pipeline,
                 )
             answers = pipeline.execute()
@@ -185,7 +215,7 @@ class RedisLeases:
         client = self.client
         try:
             dropped = self._scripts["release"](
-                keys=[self.lease_key(key)], args=[handle], client=client
+                keys=[self.lease_key(key), self.status_key(key)], args=[handle], client=client
             )
         except redis.RedisError as exc:
             raise self._unavailable(exc) from exc
@@ -199,6 +229,34 @@ class RedisLeases:
         except redis.RedisError as exc:
             raise self._unavailable(exc) from exc
         return {key for key, value in zip(keys, values, strict=True) if value is not None}
+
+    def live_statuses(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """What runs now, from the status entries renewals write (at most ``limit``).
+
+        For operators only (``guard status``): an entry lives as long as its lease, and is
+        never used to decide anything; the store decides (seed 004: cache is not truth).
+        """
+        entries: list[dict[str, Any]] = []
+        try:
+            client = self.client
+            names = []
+            for name in client.scan_iter(match=f"{self.prefix}:{{*}}:status", count=500):
+                names.append(name)
+                if len(names) >= limit:
+                    break
+            raw_values = client.mget(names) if names else []
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
+        for raw in raw_values:
+            if raw is None:
+                continue  # expired between SCAN and MGET
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                entries.append(entry)
+        return sorted(entries, key=lambda entry: float(entry.get("started_at") or 0))
 
     def close(self) -> None:
         with self._lock:

@@ -7,11 +7,12 @@ prefork parent never owns a thread its children would inherit half-dead.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from celery_guard.errors import Fenced, StoreError
@@ -24,8 +25,33 @@ Clock = Callable[[], float]
 class Renewer(Protocol):
     """What the heartbeat needs of a lease backend."""
 
-    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+    def renew_leases(
+        self,
+        leases: Iterable[tuple[str, int]],
+        ttl: float,
+        statuses: Mapping[str, str] | None = None,
+    ) -> set[str]:
         """Extend each (key, handle) lease still held; return the renewed keys."""
+        ...
+
+
+class LeaseObserver(Protocol):
+    """What the heartbeat reports, for metrics (:mod:`celery_guard.metrics`)."""
+
+    def renewal_failed(self, reason: str) -> None:
+        """A renewal round failed: ``store_error`` or ``lost`` (one call per lost lease)."""
+        ...
+
+    def lease_lost(self, cause: str) -> None:
+        """An execution lost its lease: ``taken_over``, ``expired`` or ``store_unreachable``."""
+        ...
+
+    def renewed(self, gap: float) -> None:
+        """A lease was renewed ``gap`` seconds after its previous renewal (or its claim)."""
+        ...
+
+    def round_done(self, oldest_lease_age: float, oldest_progress_age: float) -> None:
+        """After each round: the oldest held lease's age and the longest time without progress."""
         ...
 
 
@@ -56,11 +82,18 @@ class Lease:
         #: Until when the lease is surely ours: measured from *before* the last successful
         #: renewal was sent, so network delay only ever shortens it.
         self.valid_until = now + ttl
+        self.acquired_at = now
+        #: When the last successful renewal (or the claim) was sent.
+        self.renewed_at = now
         self.deadline = None if hard_deadline is None else now + hard_deadline
         self.progress_timeout = progress_timeout
         self.last_progress = now
         self.progress_info: object = None
+        #: Who runs this lease (task, owner...), published as live status where supported.
+        self.description: dict[str, object] = {}
         self.fenced_reason: str | None = None
+        #: ``taken_over``, ``expired`` or ``store_unreachable`` once fenced.
+        self.fenced_cause: str | None = None
         self.renewing = True
 
     def progress(self, info: object = None) -> None:
@@ -78,9 +111,26 @@ class Lease:
             self._stop_renewing(f"no progress for {now - self.last_progress:.1f}s")
         return self.renewing
 
-    def fence(self, reason: str) -> None:
+    def status_json(self, now: float) -> str:
+        """Live status for operators: who runs the key, since when, its last progress."""
+        wall = time.time() - now  # this process's monotonic clock, as wall-clock time
+        return json.dumps(
+            {
+                **self.description,
+                "key": self.key,
+                "fencing_token": self.token,
+                "started_at": round(wall + self.acquired_at, 3),
+                "progress_at": round(wall + self.last_progress, 3),
+                "progress": self.progress_info,
+                "renewed_at": round(wall + now, 3),
+            },
+            default=str,
+        )
+
+    def fence(self, reason: str, cause: str = "expired") -> None:
         if self.fenced_reason is None:
             self.fenced_reason = reason
+            self.fenced_cause = cause
             logger.warning(
                 "celery_guard lease lost key=%s token=%s: %s", self.key, self.token, reason
             )
@@ -114,7 +164,9 @@ class Heartbeat:
         *,
         interval: float,
         clock: Clock = time.monotonic,
+        observer: LeaseObserver | None = None,
     ) -> None:
+        self.observer = observer
         self.backend = backend
         self.interval = interval
         self._clock = clock
@@ -142,27 +194,44 @@ class Heartbeat:
     def beat(self) -> None:
         """One renewal round: renew what is due, fence what was lost."""
         started = self._clock()
-        due = [lease for lease in self.held() if lease.should_renew(started)]
+        held = self.held()
+        if self.observer is not None:
+            self.observer.round_done(
+                max((started - lease.acquired_at for lease in held), default=0.0),
+                max((started - lease.last_progress for lease in held), default=0.0),
+            )
+        due = [lease for lease in held if lease.should_renew(started)]
         if not due:
             return
         ttl = max(lease.ttl for lease in due)
         try:
-            renewed = self.backend.renew_leases(((le.key, le.handle) for le in due), ttl)
+            renewed = self.backend.renew_leases(
+                [(lease.key, lease.handle) for lease in due],
+                ttl,
+                {lease.key: lease.status_json(started) for lease in due},
+            )
         except StoreError as exc:
             still_held = {id(lease) for lease in self.held()}
             for lease in due:
                 if id(lease) in still_held and self._clock() > lease.valid_until:
-                    lease.fence(f"store unreachable past the lease ({exc})")
+                    lease.fence(f"store unreachable past the lease ({exc})", "store_unreachable")
             logger.warning("celery_guard lease renewal failed for %d keys: %s", len(due), exc)
+            if self.observer is not None:
+                self.observer.renewal_failed("store_error")
             return
         still_held = {id(lease) for lease in self.held()}
         for lease in due:
             if lease.key in renewed:
                 lease.valid_until = started + lease.ttl
+                if self.observer is not None:
+                    self.observer.renewed(started - lease.renewed_at)
+                lease.renewed_at = started
             elif id(lease) in still_held:
                 # A lease dropped during the round (its body completed or released the key)
                 # is not "taken over": its row simply no longer needs renewing.
-                lease.fence("taken over: the token no longer owns the key")
+                lease.fence("taken over: the token no longer owns the key", "taken_over")
+                if self.observer is not None:
+                    self.observer.renewal_failed("lost")
 
     def _ensure_thread(self) -> None:
         pid = os.getpid()

@@ -110,3 +110,20 @@ class DeadLetter:
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerRecord:
+    """A worker's last heartbeat in the store."""
+
+    hostname: str
+    pid: int
+    state: str
+    running: int
+    fenced: int
+    circuit: str | None
+    started_at: float
+    seen_at: float
+    expires_at: float
+    #: Whether the heartbeat is fresh (``expires_at`` later than the database's now).
+    alive: bool

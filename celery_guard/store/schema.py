@@ -123,6 +123,23 @@ leaders = Table(
 )
 
 
+#: One row per running worker, written by its main process every reaper interval: who is alive
+#: (by heartbeat, not by broker events) and in which state, for ``guard status`` and metrics.
+workers = Table(
+    "celery_guard_workers",
+    metadata,
+    Column("hostname", String(255), primary_key=True),
+    Column("pid", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("running", Integer, nullable=False),
+    Column("fenced", Integer, nullable=False),
+    Column("circuit", String(16), nullable=True),
+    Column("started_at", Double, nullable=False),
+    Column("seen_at", Double, nullable=False),
+    Column("expires_at", Double, nullable=False),
+)
+
+
 class db_epoch_now(FunctionElement[float]):  # reads like the SQL function it is
     """The database's current time in epoch seconds (fractional), evaluated per statement."""
 

@@ -49,6 +49,7 @@ from celery_guard.store.base import (
     ClaimResult,
     DeadLetter,
     KeyRecord,
+    WorkerRecord,
 )
 from celery_guard.store.schema import (
     KeyState,
@@ -57,6 +58,7 @@ from celery_guard.store.schema import (
     keys,
     leaders,
     metadata,
+    workers,
 )
 
 logger = logging.getLogger(__name__)
@@ -536,6 +538,77 @@ class SqlStore:
                     f"({self.config.safe_store_url()})"
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- worker heartbeats ---------------------------------------------------------------------
+
+    def beat_worker(
+        self,
+        hostname: str,
+        *,
+        pid: int,
+        state: str,
+        running: int,
+        fenced: int,
+        circuit: str | None,
+        ttl: float,
+    ) -> None:
+        """Record that ``hostname`` is alive for ``ttl`` more seconds, and its state."""
+        now = db_epoch_now()
+        insert = self._upsert(workers).values(
+            hostname=hostname,
+            pid=pid,
+            state=state,
+            running=running,
+            fenced=fenced,
+            circuit=circuit,
+            started_at=now,
+            seen_at=now,
+            expires_at=now + ttl,
+        )
+        new = insert.excluded
+        statement = insert.on_conflict_do_update(
+            index_elements=[workers.c.hostname],
+            set_={
+                # A restarted worker (new pid) starts a new life.
+                "started_at": case(
+                    (workers.c.pid == new.pid, workers.c.started_at), else_=new.started_at
+                ),
+                **{
+                    name: getattr(new, name)
+                    for name in (
+                        "pid",
+                        "state",
+                        "running",
+                        "fenced",
+                        "circuit",
+                        "seen_at",
+                        "expires_at",
+                    )
+                },
+            },
+        )
+        self._call(lambda: self._execute_single(statement))
+
+    def remove_worker(self, hostname: str, pid: int) -> None:
+        """Forget a worker that shut down cleanly (a killed one just stops beating)."""
+        statement = delete(workers).where(workers.c.hostname == hostname, workers.c.pid == pid)
+        self._call(lambda: self._execute_single(statement))
+
+    def list_workers(self, seen_within: float = 3600.0) -> list[WorkerRecord]:
+        """Workers seen in the last ``seen_within`` seconds, alive or not, by hostname."""
+        now = db_epoch_now()
+        statement = (
+            select(workers, (workers.c.expires_at > now).label("alive"))
+            .where(workers.c.seen_at > now - seen_within)
+            .order_by(workers.c.hostname)
+        )
+        rows = self._call(lambda: self._execute_single(statement, read_only=True))[0]
+        return [WorkerRecord(**{**row, "alive": bool(row["alive"])}) for row in rows]
+
+    def prune_workers(self, older_than: float = 86400.0) -> int:
+        """Delete heartbeats not renewed for ``older_than`` seconds (workers long gone)."""
+        statement = delete(workers).where(workers.c.seen_at < db_epoch_now() - older_than)
+        return self._call(lambda: self._execute_single(statement))[1]
 
     # -- operator queries (cli) ---------------------------------------------------------------
     # Read-only and maintenance queries for ``celery -A app guard ...``; bounded, one statement

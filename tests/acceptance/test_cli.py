@@ -140,7 +140,7 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
     shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
 ) -> None:
     assert shop.record.delay(tag, 7).get(timeout=RESULT_TIMEOUT) == {"tag": tag, "value": 7}
-    running = shop.slow.delay(tag, 4)
+    running = shop.slow.delay(tag, 8)
     wait_for_key_state(shop, f"slow:{tag}", "RUNNING")
     store = celery_guard.get_runtime(shop.app).store
     wait_until(lambda: store.leader("reaper") is not None, 30, "a worker's reaper to be elected")
@@ -155,6 +155,20 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
     assert status["dead_letters"]["total"] >= status["dead_letters"]["not_replayed"] >= 0
     human = guard_ok("status")
     assert "RUNNING" in human and "oldest RUNNING" in human and "dead letters" in human
+
+    # Workers beat into the store every reaper interval: wait for the one running the body.
+    seen: list[dict[str, Any]] = []
+
+    def worker_running() -> bool:
+        seen[:] = guard_json("status")["workers"]
+        return any(worker["running"] >= 1 for worker in seen)
+
+    wait_until(worker_running, 20, "a worker heartbeat to show the running body")
+    by_pid = {worker["pid"]: worker for worker in seen}
+    for worker in shop_workers:
+        assert by_pid[worker.pid]["alive"]
+        assert by_pid[worker.pid]["state"] in {"READY", "PROCESSING"}
+    assert "PROCESSING (1 running)" in guard_ok("status")
 
     slow = guard_json("key", "show", f"slow:{tag}")
     assert (slow["state"], slow["task"], slow["claim_reason"]) == ("RUNNING", "shop.slow", "NEW")
@@ -420,6 +434,26 @@ def test_reconcile_with_redis_leases_ends_stale_leases_and_records_queue_only_le
         assert status["running_without_live_lease"] == 1 and status["reaper"] is None
         assert status["oldest_running"]["key"] == "cli:no-lease"
         assert status["oldest_running"]["lease_remaining_seconds"] is None
+        # What a renewal publishes beside the lease (celery_guard.lease.heartbeat.status_json).
+        live = {
+            "key": "cli:healthy",
+            "task": "shop.slow",
+            "owner": "w9@h/42",
+            "fencing_token": 1,
+            "started_at": time.time() - 30,
+            "progress_at": time.time() - 5,
+            "renewed_at": time.time(),
+            "progress": {"step": 2},
+        }
+        leases.set("celery_guard:{cli:healthy}:status", json.dumps(live), px=60_000)
+        (entry,) = guard_json("status", env=env)["live"]
+        assert (entry["key"], entry["owner"], entry["progress"]) == (
+            "cli:healthy",
+            "w9@h/42",
+            {"step": 2},
+        )
+        assert 29 <= entry["started_seconds_ago"] <= 60
+        assert "cli:healthy (shop.slow) on w9@h/42" in guard_ok("status", env=env)
         healthy = guard_json("key", "show", "cli:healthy", env=env)
         assert 0 < healthy["lease_remaining_seconds"] <= 60
 

@@ -9,6 +9,7 @@ import pytest
 
 from celery_guard import StoreUnavailable
 from celery_guard.lease.backends import RedisLeases
+from celery_guard.lease.heartbeat import Heartbeat, Lease
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
 from tests.rig.ports import free_port
 from tests.rig.procs import wait_until
@@ -96,3 +97,27 @@ def test_a_counter_that_went_backwards_still_yields_a_newer_token(store: SqlStor
     assert claim(store, 1, owner="w2/2") is ClaimOutcome.CLAIMED
     record = store.get("k")
     assert record is not None and record.fencing_token == 6
+
+
+def test_renewals_publish_live_status_that_ends_with_the_lease(leases: RedisLeases) -> None:
+    acquisition = leases.acquire("order:7", ttl=30)
+    lease = Lease(
+        "order:7", 5, handle=acquisition.handle, ttl=30, hard_deadline=None, progress_timeout=None
+    )
+    lease.description = {"task": "shop.charge", "owner": "w1@host/123"}
+    heartbeat = Heartbeat(leases, interval=10)
+    heartbeat.hold(lease)
+    assert leases.live_statuses() == [], "nothing is published before the first renewal"
+    lease.progress({"done": 3, "of": 10})
+    heartbeat.beat()
+    (status,) = leases.live_statuses()
+    assert status["task"] == "shop.charge" and status["owner"] == "w1@host/123"
+    assert status["key"] == "order:7" and status["fencing_token"] == 5
+    assert status["progress"] == {"done": 3, "of": 10}
+    assert status["started_at"] <= status["progress_at"] <= status["renewed_at"]
+    # Another holder's release never touches it; the holder's own release removes it.
+    assert not leases.release("order:7", (acquisition.handle or 0) + 1)
+    assert len(leases.live_statuses()) == 1
+    heartbeat.drop(lease)
+    assert leases.release("order:7", acquisition.handle)
+    assert leases.live_statuses() == []

@@ -27,7 +27,9 @@ class Backend:
         self.calls: list[list[tuple[str, int]]] = []
         self.down = False
 
-    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+    def renew_leases(
+        self, leases: Iterable[tuple[str, int]], ttl: float, statuses: object = None
+    ) -> set[str]:
         pairs = list(leases)
         self.calls.append(pairs)
         if self.down:
@@ -129,7 +131,9 @@ def test_a_lease_dropped_during_a_round_is_not_fenced() -> None:
     finished = lease(clock)
 
     class DropsDuringRound(Backend):
-        def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        def renew_leases(
+            self, leases: Iterable[tuple[str, int]], ttl: float, statuses: object = None
+        ) -> set[str]:
             list(leases)
             heartbeat.drop(finished)  # the body completed meanwhile; its row is COMPLETED
             return set()

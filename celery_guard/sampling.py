@@ -1,0 +1,119 @@
+"""What the reaper's holder samples for everyone: the store's key states and the broker's queues.
+
+One worker at a time samples (the one holding the reaper's lease), so the cluster-wide series
+are computed once and exported once. Store and broker are read independently: a broker that
+does not answer leaves the store's figures standing, and the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_guard.errors import StoreError
+from celery_guard.store.base import WorkerRecord
+from celery_guard.store.sql import SqlStore
+
+logger = logging.getLogger("celery_guard.sampling")
+
+#: The header every message carries from publish (stamped by celery_guard's publish hook).
+PUBLISHED_AT_HEADER = "guard_published_at"
+
+
+@dataclass
+class Sample:
+    """One sampling pass."""
+
+    taken_at: float
+    keys_by_state: dict[str, int] = field(default_factory=dict)
+    expired_leases: int = 0
+    oldest_running_seconds: float = 0.0
+    dead_letters_pending: int = 0
+    #: queue name -> (messages waiting, age of the oldest in seconds or ``None`` if unknown).
+    queues: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    workers: list[WorkerRecord] = field(default_factory=list)
+
+
+class Sampler:
+    """Reads the store and the broker; called by the reaper's holder once per pass."""
+
+    def __init__(self, app: Any, store: SqlStore, queues: list[str]) -> None:
+        self.app = app
+        self.store = store
+        self.queues = queues
+        self._connection: Any = None
+
+    def sample(self) -> Sample:
+        now = time.time()
+        sample = Sample(taken_at=now)
+        try:
+            sample.keys_by_state = self.store.count_keys_by_state()
+            sample.expired_leases = self.store.count_expired_leases()
+            oldest = self.store.oldest_running()
+            if oldest is not None:
+                sample.oldest_running_seconds = max(0.0, self.store.now() - oldest.updated_at)
+            sample.dead_letters_pending = self.store.count_dead_letters()[1]
+            sample.workers = self.store.list_workers()
+        except StoreError as exc:
+            logger.warning("celery_guard sampling: store did not answer: %s", exc)
+        try:
+            sample.queues = self.queue_stats(now)
+        except Exception as exc:  # a broker hiccup must not end sampling
+            logger.warning("celery_guard sampling: broker did not answer: %s", exc)
+            self.close()
+        return sample
+
+    def queue_stats(self, now: float) -> dict[str, tuple[int, float | None]]:
+        """Depth of each queue (passive declare: AMQP and Redis) and, on Redis, its oldest age."""
+        if self._connection is None:
+            self._connection = self.app.connection_for_read()
+        channel = self._connection.default_channel
+        stats: dict[str, tuple[int, float | None]] = {}
+        for queue in self.queues:
+            try:
+                declared = channel.queue_declare(queue=queue, passive=True)
+            except Exception as exc:
+                # AMQP closes the channel on a missing queue; start afresh next pass.
+                logger.info("celery_guard sampling: queue %r not readable: %s", queue, exc)
+                self.close()
+                return stats
+            stats[queue] = (int(declared.message_count), _redis_oldest_age(channel, queue, now))
+        return stats
+
+    def close(self) -> None:
+        if self._connection is not None:
+            try:
+                self._connection.release()
+            except Exception:  # closing a broken connection may fail too
+                logger.debug("celery_guard sampling: closing the broker connection failed")
+            self._connection = None
+
+
+def _redis_oldest_age(channel: Any, queue: str, now: float) -> float | None:
+    """Age of the oldest message in a kombu Redis queue, from its publish-time header.
+
+    kombu's Redis transport LPUSHes and BRPOPs (kombu/transport/redis.py ``_put``/``_brpop``),
+    so each priority list's oldest message is its last element: LINDEX -1 reads it without
+    taking it. Other transports: ``None`` (AMQP cannot peek without taking the message).
+    """
+    q_for_pri = getattr(channel, "_q_for_pri", None)
+    steps = getattr(channel, "priority_steps", None)
+    if q_for_pri is None or steps is None:
+        return None
+    oldest: float | None = None
+    client = channel.client
+    for priority in steps:
+        raw = client.lindex(q_for_pri(queue, priority), -1)
+        if raw is None:
+            continue
+        try:
+            headers = json.loads(raw).get("headers") or {}
+            published = float(headers[PUBLISHED_AT_HEADER])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        age = max(0.0, now - published)
+        oldest = age if oldest is None else max(oldest, age)
+    return oldest

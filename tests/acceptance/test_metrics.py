@@ -1,0 +1,234 @@
+"""Metrics scraped over HTTP from a real prefork worker equal what happened, summed over children.
+
+One worker, concurrency 2, its own queue and store database, short TTLs. The scenario: two
+duplicates prevented, one transient retry, one dead letter, one takeover after a child is
+SIGKILLed (its counters must survive it), a backlog for queue lag and oldest-waiting age, and
+a second worker SIGKILLed that must drop out of ``celery_guard_worker_up`` within one TTL.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
+
+import celery_guard
+from celery_guard import GuardConfig
+from celery_guard.store.sql import SqlStore
+from tests.acceptance.conftest import new_store_database, start_workers
+from tests.rig.ports import free_port
+from tests.rig.procs import pid_alive, wait_until
+from tests.rig.servers import PostgresServer, RedisServer
+from tests.rig.workers import WorkerProcess
+
+pytestmark = pytest.mark.workers
+
+LEASE_TTL = 2.0
+REAPER_INTERVAL = 0.5
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int) -> Samples:
+    """Every sample the worker exports, by (name, labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when none)."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= set(ls))
+
+
+@dataclass
+class Scene:
+    env: dict[str, str]
+    queue: str
+    client: Celery
+    store: SqlStore
+    port: int
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    def send(self, name: str, *args: object, **options: object):  # type: ignore[no-untyped-def]
+        return self.client.send_task(name, args=args, queue=self.queue, **options)
+
+    def scrape(self) -> Samples:
+        return scrape(self.port)
+
+    def wait_for(self, name: str, expected: float, timeout: float = 30, **labels: str) -> None:
+        seen: list[float] = []
+
+        def reached() -> bool:
+            seen.append(value(self.scrape(), name, **labels))
+            return seen[-1] == expected
+
+        try:
+            wait_until(reached, timeout, f"{name}{labels} == {expected}")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; last value {seen[-1:]}") from None
+
+
+@pytest.fixture
+def scene(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Scene]:
+    port = free_port()
+    env = {
+        "CG_BROKER_URL": redis_server.url_for(7),
+        "CG_RESULT_URL": redis_server.url_for(8),
+        "CG_STORE_URL": new_store_database(postgres, "metrics"),
+        "CG_LEASE_TTL": str(LEASE_TTL),
+        "CG_REAPER_INTERVAL": str(REAPER_INTERVAL),
+        "CG_METRICS_PORT": str(port),
+    }
+    client = Celery("metrics-client", broker=env["CG_BROKER_URL"], backend=env["CG_RESULT_URL"])
+    # A producer that installs celery_guard stamps each message's publish time (queue lag).
+    celery_guard.install(client)
+    store = SqlStore(GuardConfig(store_url=env["CG_STORE_URL"]))
+    scene = Scene(env, f"metrics-{uuid.uuid4().hex[:8]}", client, store, port)
+    try:
+        yield scene
+    finally:
+        for worker in scene.workers:
+            worker.kill()
+        store.dispose()
+        client.close()
+
+
+def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_child(
+    scene: Scene,
+) -> None:
+    (worker,) = start_workers(1, scene.env, queues=scene.queue, concurrency=2)
+    scene.workers.append(worker)
+    tag = uuid.uuid4().hex[:10]
+
+    # Two duplicates prevented: three deliveries of one key, one after the other.
+    for _ in range(3):
+        assert scene.send("shop.record", f"dup-{tag}").get(timeout=30)["tag"] == f"dup-{tag}"
+    # One transient retry, then success.
+    assert scene.send("shop.flaky", f"flaky-{tag}", 1).get(timeout=30) == 2
+    # One dead letter (a permanent error).
+    dead = scene.send("shop.reject_order", f"dead-{tag}")
+    with pytest.raises(Exception, match="no lines"):
+        dead.get(timeout=30)
+
+    # One takeover: the child running a long body is SIGKILLed; Celery requeues the message
+    # (acks_late, reject_on_worker_lost) and a replacement child takes the key over.
+    long_key = f"long:{tag}"
+    long_result = scene.send("shop.long_write", tag, 3.0)
+    owners: list[str] = []
+
+    def running() -> bool:
+        record = scene.store.get(long_key)
+        if record is not None and record.state == "RUNNING" and record.owner:
+            owners.append(record.owner)
+            return True
+        return False
+
+    wait_until(running, 30, f"{long_key} to run")
+    child = int(owners[-1].rsplit("/", 1)[1])
+    before_kill = scene.scrape()
+    assert value(before_kill, "celery_guard_executions_running") == 1
+    assert value(before_kill, "celery_guard_worker_state", state="PROCESSING") == 1
+    worker.kill_child(child)
+    wait_until(lambda: not pid_alive(child), 10, "the child to die")
+    assert long_result.get(timeout=60)["pid"] != child
+
+    samples = scene.scrape()
+    outcomes = {
+        ("shop.record", "completed"): 1,
+        ("shop.record", "duplicate_prevented"): 2,
+        ("shop.flaky", "retried"): 1,
+        ("shop.flaky", "completed"): 1,
+        ("shop.reject_order", "dead_lettered"): 1,
+        ("shop.long_write", "completed"): 1,
+    }
+    for (task, outcome), expected in outcomes.items():
+        got = value(samples, "celery_guard_tasks_total", task=task, outcome=outcome)
+        assert got == expected, (task, outcome, got)
+    assert value(samples, "celery_guard_tasks_total", outcome="fenced") == 0
+    assert value(samples, "celery_guard_retries_total", task="shop.flaky", error_class="transient")
+    assert value(samples, "celery_guard_retries_total") == 1
+    assert (
+        value(
+            samples,
+            "celery_guard_dead_letters_total",
+            task="shop.reject_order",
+            error_class="permanent",
+        )
+        == 1
+    )
+    # The "new" acquisition of the long task was counted only by the child that was killed:
+    # its counter file outlives it and stays in the sum.
+    acquisitions = "celery_guard_lease_acquisitions_total"
+    assert value(samples, acquisitions, task="shop.long_write", reason="new") == 1
+    assert value(samples, acquisitions, task="shop.long_write", reason="takeover") == 1
+    assert value(samples, acquisitions, task="shop.flaky", reason="retry") == 1
+    # Completed executions have a duration; every claimed delivery had a queue lag.
+    assert value(samples, "celery_guard_task_duration_seconds_count", outcome="completed") == 3
+    assert value(samples, "celery_guard_queue_lag_seconds_count") == value(samples, acquisitions)
+    assert value(samples, "celery_guard_heartbeat_gap_seconds_count") >= 1  # the 3 s body
+    # The killed child's live gauges were dropped: nothing runs now.
+    scene.wait_for("celery_guard_executions_running", 0)
+    scene.wait_for("celery_guard_worker_state", 1, state="READY")
+    # The reaper's holder samples the store.
+    scene.wait_for("celery_guard_keys", 3, state="COMPLETED")
+    scene.wait_for("celery_guard_keys", 1, state="DEAD")
+    scene.wait_for("celery_guard_dead_letters_pending", 1)
+    assert value(scene.scrape(), "celery_guard_reaper_leader") == 1
+
+
+def test_a_backlog_shows_in_queue_depth_oldest_age_and_queue_lag(scene: Scene) -> None:
+    (worker,) = start_workers(1, scene.env, queues=scene.queue, concurrency=2)
+    scene.workers.append(worker)
+    tag = uuid.uuid4().hex[:10]
+    # Both children busy for 3 s; with prefetch 1 the rest wait in the broker's queue.
+    blockers = [scene.send("shop.slow", f"{tag}-b{i}", 3.0) for i in range(2)]
+    waiting = [scene.send("shop.record", f"{tag}-w{i}") for i in range(4)]
+
+    def backlog_seen() -> bool:
+        samples = scene.scrape()
+        depth = value(samples, "celery_guard_queue_depth", queue=scene.queue)
+        age = value(samples, "celery_guard_queue_oldest_age_seconds", queue=scene.queue)
+        return depth >= 2 and age >= 1.0
+
+    wait_until(backlog_seen, 20, "the backlog to show in depth and oldest age")
+    for result in blockers + waiting:
+        result.get(timeout=60)
+    samples = scene.scrape()
+    lag_count = value(samples, "celery_guard_queue_lag_seconds_count", task="shop.record")
+    under_a_second = value(
+        samples, "celery_guard_queue_lag_seconds_bucket", task="shop.record", le="1.0"
+    )
+    assert lag_count == 4
+    # At least the two that waited behind the 3 s bodies waited more than a second.
+    assert under_a_second <= 2
+    scene.wait_for("celery_guard_queue_depth", 0, queue=scene.queue)
+
+
+def test_a_sigkilled_worker_drops_out_of_worker_up_within_one_ttl(scene: Scene) -> None:
+    (first,) = start_workers(1, scene.env, queues=scene.queue, concurrency=1)
+    scene.workers.append(first)
+    # The second serves no metrics (one port per worker); the first exports the cluster view.
+    (second,) = start_workers(1, {**scene.env, "CG_METRICS_PORT": ""}, queues=scene.queue)
+    scene.workers.append(second)
+    hostname = second.hostname.replace("%h", socket.gethostname())
+    scene.wait_for("celery_guard_workers_alive", 2)
+    scene.wait_for("celery_guard_worker_up", 1, worker=hostname)
+    second.kill()
+    # One TTL for its heartbeat to expire, plus a few reaper passes to notice (and, if the
+    # killed worker held the reaper's lease, 3 passes for that lease to pass on).
+    scene.wait_for(
+        "celery_guard_worker_up", 0, timeout=LEASE_TTL + 8 * REAPER_INTERVAL + 3, worker=hostname
+    )
+    assert value(scene.scrape(), "celery_guard_workers_alive") == 1
