@@ -57,6 +57,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     guard_store_url=STORE_URL,
+    # Several workers on one host: no metrics endpoint (each would need its own port).
+    guard_metrics_port=None,
 )
 if os.environ.get("BENCH_LEASE_URL"):
     app.conf.guard_lease_url = os.environ["BENCH_LEASE_URL"]

@@ -25,6 +25,11 @@ app.conf.update(
     guard_store_url=os.environ.get("SHOP_STORE_URL", "sqlite:///shop.sqlite3"),
     guard_lease_ttl=10,
     guard_result_ttl=7 * 24 * 3600,
+    # Each worker serves its metrics on its own port (SHOP_METRICS_PORT); none when unset.
+    guard_metrics_port=int(os.environ["SHOP_METRICS_PORT"])
+    if os.environ.get("SHOP_METRICS_PORT")
+    else None,
+    guard_metrics_address="127.0.0.1",
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
 )
