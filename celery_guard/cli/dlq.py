@@ -24,6 +24,7 @@ from celery_guard.cli.common import (
     guard,
     json_option,
 )
+from celery_guard.cli.reconcile import remove_queue_letters
 from celery_guard.errors import GuardError
 from celery_guard.install import GuardRuntime
 from celery_guard.store.base import DeadLetter
@@ -249,7 +250,10 @@ def _replay_all(runtime: GuardRuntime, task_name: str, as_json: bool) -> None:
 @json_option
 @click.pass_context
 def dlq_purge(ctx: click.Context, before: When | None, yes: bool, as_json: bool) -> None:
-    """Delete dead letters from the store's table (the broker's queue is not touched).
+    """Delete dead letters from the store's table and their copies in the broker's queue.
+
+    Queue copies are removed on a Redis broker (so `guard reconcile --apply` does not bring
+    them back); other brokers keep them, and the output says so.
 
     Never asks: deleting all of them needs --yes. The keys of unreplayed letters stay DEAD;
     `guard key revive KEY` makes one claimable again.
@@ -261,10 +265,31 @@ def dlq_purge(ctx: click.Context, before: When | None, yes: bool, as_json: bool)
         )
     runtime = _runtime(ctx)
     cutoff = before.resolve(runtime.store.now()) if before is not None else None
-    deleted = runtime.store.purge_dead_letters(before=cutoff)
+    ids = runtime.store.purge_dead_letters(before=cutoff)
+    queue_name = runtime.dead_letters.queue.name
+    try:
+        from_queue = remove_queue_letters(runtime, queue_name, set(ids))
+    except (redis.RedisError, OSError) as exc:
+        raise click.ClickException(
+            f"deleted {len(ids)} dead letter(s) from the table, but their copies in queue "
+            f"{queue_name!r} could not be removed ({type(exc).__name__}); `guard reconcile` "
+            "would bring them back: run the purge again when the broker answers"
+        ) from None
     if as_json:
-        _emit_json({"deleted": deleted, "before": _iso(cutoff)})
-    elif cutoff is None:
-        click.echo(f"deleted {deleted} dead letter(s)")
-    else:
-        click.echo(f"deleted {deleted} dead letter(s) created before {_iso(cutoff)}")
+        _emit_json(
+            {
+                "deleted": len(ids),
+                "ids": ids,
+                "before": _iso(cutoff),
+                "queue": queue_name,
+                "queue_copies_removed": from_queue,
+            }
+        )
+        return
+    when = "" if cutoff is None else f" created before {_iso(cutoff)}"
+    queue_note = (
+        f"{from_queue} queue copies removed from {queue_name}"
+        if from_queue is not None
+        else f"queue copies in {queue_name} left (only a Redis broker allows removing them)"
+    )
+    click.echo(f"deleted {len(ids)} dead letter(s){when}; {queue_note}")

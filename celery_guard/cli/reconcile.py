@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -264,41 +265,83 @@ def _decode_envelope(raw: bytes) -> dict[str, Any] | None:
         return None
 
 
-def _read_queue(runtime: GuardRuntime, queue_name: str) -> QueueRead:
-    """Every dead letter in the broker's queue, read with LRANGE (nothing is consumed)."""
+def _redis_queue(runtime: GuardRuntime, queue_name: str) -> tuple[redis.Redis, list[str]]:
+    """A client of the Redis broker and the lists kombu keeps ``queue_name`` in (per priority)."""
     app = runtime.app
-    url = _broker_url(app)
     transport_options = app.conf.broker_transport_options or {}
     prefix = str(transport_options.get("global_keyprefix") or "")
     steps = transport_options.get("priority_steps") or KOMBU_PRIORITY_STEPS
     timeout = runtime.config.store_timeout
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = redis.Redis.from_url(
+        _broker_url(app), socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    lists = [prefix + queue_name] + [
+        f"{prefix}{queue_name}{KOMBU_PRIORITY_SEP}{step}" for step in steps if step
+    ]
+    return client, lists
+
+
+def _scan_queue(client: redis.Redis, lists: list[str]) -> Iterator[tuple[str, bytes]]:
+    """(list, raw message) for up to MAX_QUEUE_MESSAGES messages, read with LRANGE."""
+    seen = 0
+    for name in lists:
+        start = 0
+        while True:
+            answer: Any = client.lrange(name, start, start + PAGE - 1)
+            chunk: list[bytes] = list(answer)
+            for raw in chunk:
+                if seen >= MAX_QUEUE_MESSAGES:
+                    return
+                seen += 1
+                yield name, raw
+            if len(chunk) < PAGE:
+                break
+            start += PAGE
+
+
+def _read_queue(runtime: GuardRuntime, queue_name: str) -> QueueRead:
+    """Every dead letter in the broker's queue, read with LRANGE (nothing is consumed)."""
+    client, lists = _redis_queue(runtime, queue_name)
     read = QueueRead()
     try:
-        lists = [prefix + queue_name] + [
-            f"{prefix}{queue_name}{KOMBU_PRIORITY_SEP}{step}" for step in steps if step
-        ]
-        for name in lists:
-            start = 0
-            while True:
-                if read.messages >= MAX_QUEUE_MESSAGES:
-                    read.truncated = True
-                    return read
-                answer: Any = client.lrange(name, start, start + PAGE - 1)
-                chunk: list[bytes] = list(answer)
-                for raw in chunk:
-                    read.messages += 1
-                    letter = _decode_envelope(raw)
-                    if letter is None:
-                        read.unreadable += 1
-                    else:
-                        read.letters.setdefault(letter["id"], letter)
-                if len(chunk) < PAGE:
-                    break
-                start += PAGE
+        for _, raw in _scan_queue(client, lists):
+            read.messages += 1
+            letter = _decode_envelope(raw)
+            if letter is None:
+                read.unreadable += 1
+            else:
+                read.letters.setdefault(letter["id"], letter)
     finally:
         client.close()
+    read.truncated = read.messages >= MAX_QUEUE_MESSAGES
     return read
+
+
+def remove_queue_letters(runtime: GuardRuntime, queue_name: str, ids: set[int]) -> int | None:
+    """Delete the queue copies of the dead letters ``ids`` (Redis broker); how many went.
+
+    ``None`` when the broker is not Redis: other brokers cannot delete a message from the
+    middle of a queue without consuming the rest.
+    """
+    if urlsplit(_broker_url(runtime.app)).scheme not in ("redis", "rediss"):
+        return None
+    if not ids:
+        return 0
+    client, lists = _redis_queue(runtime, queue_name)
+    try:
+        # Read first, then remove by value: LREM never shifts what is still to be read.
+        doomed = [
+            (name, raw)
+            for name, raw in _scan_queue(client, lists)
+            if (letter := _decode_envelope(raw)) is not None and letter["id"] in ids
+        ]
+        removed = 0
+        for name, raw in doomed:
+            answer: Any = client.lrem(name, 1, raw)  # type: ignore[arg-type]  # bytes work
+            removed += int(answer)
+        return removed
+    finally:
+        client.close()
 
 
 def _queue_comparison(runtime: GuardRuntime) -> Section:

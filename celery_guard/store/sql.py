@@ -332,12 +332,13 @@ class SqlStore:
 
         self._call(write)
 
-    def purge_dead_letters(self, before: float | None = None) -> int:
-        """Delete dead letters (created before ``before``, when given); return how many."""
-        statement = delete(dead_letters)
+    def purge_dead_letters(self, before: float | None = None) -> list[int]:
+        """Delete dead letters (created before ``before``, when given); return their ids."""
+        statement = delete(dead_letters).returning(dead_letters.c.id)
         if before is not None:
             statement = statement.where(dead_letters.c.created_at < before)
-        return self._call(lambda: self._execute_single(statement))[1]
+        rows = self._call(lambda: self._execute_single(statement))[0]
+        return sorted(int(row["id"]) for row in rows)
 
     # -- the reaper's primitives ----------------------------------------------------------------
 

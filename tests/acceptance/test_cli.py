@@ -22,6 +22,7 @@ from sqlalchemy import create_engine, inspect
 
 import celery_guard
 from celery_guard import GuardConfig
+from celery_guard.cli.reconcile import _decode_envelope
 from celery_guard.deadletters import DeadLetterSink
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
 from celery_guard.store.base import DeadLetter
@@ -296,6 +297,16 @@ def test_replay_all_of_a_task(
 
 
 @pytest.mark.workers
+def queued_letter_ids(shop: ModuleType) -> set[int]:
+    """Ids of the dead letters in the shop's dead-letter queue, read without consuming."""
+    client = redis.Redis.from_url(shop.app.conf.broker_url)
+    try:
+        raws = client.lrange("celery_guard.dead_letters", 0, -1)
+    finally:
+        client.close()
+    return {letter["id"] for raw in raws if (letter := _decode_envelope(raw)) is not None}
+
+
 def test_purge_and_argument_errors(
     shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
 ) -> None:
@@ -309,9 +320,17 @@ def test_purge_and_argument_errors(
     keys = {f"reject:{tag}-old", f"reject:{tag}-new"}
     assert len(letters_for("shop.reject_order", keys)) == 2
 
+    (old_letter,) = [r for r in letters_for("shop.reject_order", keys) if "old" in r["key"]]
+    (new_letter,) = [r for r in letters_for("shop.reject_order", keys) if "new" in r["key"]]
+    assert {old_letter["id"], new_letter["id"]} <= queued_letter_ids(shop)
+
     purged = guard_json("dlq", "purge", "--before", iso(cutoff))
-    assert purged["deleted"] >= 1
+    assert purged["deleted"] >= 1 and old_letter["id"] in purged["ids"]
+    assert purged["queue_copies_removed"] == purged["deleted"]
     assert [row["key"] for row in letters_for("shop.reject_order", keys)] == [f"reject:{tag}-new"]
+    # The queue copy went too, so `guard reconcile --apply` cannot bring the letter back.
+    in_queue = queued_letter_ids(shop)
+    assert old_letter["id"] not in in_queue and new_letter["id"] in in_queue
     assert guard_ok("dlq", "purge", "--before", "30d").startswith("deleted 0 dead letter(s)")
 
     assert "unknown dead letter id" in guard_fails("dlq", "replay", "987654321")

@@ -99,5 +99,5 @@ def test_purge_before_a_time_keeps_newer_letters(store: SqlStore) -> None:
     wait_until(lambda: store.now() > (old.created_at or 0) + 0.01, 5, "the clock to move")
     new = dead(store, "new")
     assert new.created_at is not None and new.created_at > old.created_at
-    assert store.purge_dead_letters(before=new.created_at) == 1
+    assert store.purge_dead_letters(before=new.created_at) == [old.id]
     assert [letter.key for letter in store.list_dead_letters()] == ["new"]
