@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from celery_guard.metrics import CATALOGUE
@@ -17,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 #: promtool unit tests of ALERT_RULES (their rule_files path is relative to this file).
 ALERT_TESTS = HERE / "alerts_test.yml"
 
+PROMTOOL_TIMEOUT = 120
 METRIC_NAME = re.compile(r"\bcelery_guard_[a-z_]+")
 #: Sample names of series only the reaper's holder exports: never summed.
 SAMPLED = {name for spec in CATALOGUE if spec.scope == "sampled" for name in spec.sample_names}
@@ -80,3 +84,33 @@ def sampled_aggregations(expr: str) -> list[tuple[str, str | None]]:
         if match.group(0) in SAMPLED:
             found.append((match.group(0), enclosing_aggregation(expr, match.start())))
     return found
+
+
+def promtool() -> str:
+    """promtool's path; a missing promtool fails the test (``make test`` installs it)."""
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail(
+            "promtool not found on PATH: install Debian's prometheus package "
+            "(`make deps`, i.e. scripts/install-deps.sh, does it as root)",
+            pytrace=False,
+        )
+    return path
+
+
+def run_promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [promtool(), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=PROMTOOL_TIMEOUT,
+        check=False,
+    )
+
+
+def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
+    """Fail with promtool's whole output unless it exited 0."""
+    assert result.returncode == 0, (
+        f"{' '.join(result.args)} exited {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    )

@@ -6,46 +6,19 @@ scripts/install-deps.sh. A missing promtool fails these tests: the rules would g
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import yaml
 
 from celery_guard.monitoring import ALERT_RULES
-from tests.monitoring.assets import ALERT_TESTS, alert_rules, alert_tests
+from tests.monitoring.assets import (
+    ALERT_TESTS,
+    alert_rules,
+    alert_tests,
+    assert_ok,
+    run_promtool,
+)
 
-PROMTOOL_TIMEOUT = 120
 SEVERITIES = {"warning", "critical"}
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail(
-            "promtool not found on PATH: install Debian's prometheus package "
-            "(`make deps`, i.e. scripts/install-deps.sh, does it as root)",
-            pytrace=False,
-        )
-    return path
-
-
-def run_promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [promtool(), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=PROMTOOL_TIMEOUT,
-        check=False,
-    )
-
-
-def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
-    assert result.returncode == 0, (
-        f"{' '.join(result.args)} exited {result.returncode}\n"
-        f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
-    )
 
 
 def test_promtool_check_rules_accepts_the_rules_file() -> None:
