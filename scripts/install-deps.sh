@@ -7,6 +7,8 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
 python3 -c "import venv, ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
+# promtool checks and unit-tests the shipped alert rules; Debian ships it in "prometheus".
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
@@ -19,4 +21,15 @@ echo "installing Debian packages: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 # The packages' own services are not used: the tests and the demo start private servers.
+# A policy-rc.d that refuses every start keeps the postinst scripts (prometheus's especially)
+# from starting system servers; Docker images ship one, elsewhere we add one for the install.
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+  chmod 755 /usr/sbin/policy-rc.d
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 apt-get install -y -q --no-install-recommends "${missing[@]}"
+# Under systemd, also keep the prometheus server from starting at the next boot.
+if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+  systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+fi
