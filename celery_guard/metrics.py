@@ -498,6 +498,25 @@ def record_reaper_pass(recovered_for: list[float], dead_owners: int) -> None:
         metrics["celery_guard_dead_owner_takeovers"].inc(dead_owners)
 
 
+def declare_series(task_names: list[str]) -> None:
+    """Create the known label combinations at zero (worker start).
+
+    A labelled counter otherwise appears only at its first increment, and ``increase()`` over
+    a series that did not exist a moment ago misses that first event, which is exactly the
+    one a rare-event alert (a dead letter, a fenced commit) is written for.
+    """
+    metrics = process_metrics()
+    for task in task_names:
+        for outcome in signals.OUTCOMES:
+            metrics["celery_guard_tasks"].labels(task=task, outcome=outcome)
+    for reason in ("store_error", "lost"):
+        metrics["celery_guard_lease_renewal_failures"].labels(reason=reason)
+    for cause in ("taken_over", "expired", "store_unreachable"):
+        metrics["celery_guard_lease_expirations"].labels(reason=cause)
+    for result in ("ok", "error", "timeout"):
+        metrics["celery_guard_store_calls"].labels(result=result)
+
+
 def connect_signals() -> None:
     """Subscribe the recorders to celery_guard's signals (idempotent)."""
     signals.outcome.connect(record_outcome, weak=False, dispatch_uid="celery_guard.metrics")

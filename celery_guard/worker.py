@@ -147,6 +147,11 @@ class WorkerMonitor:
         self.sample_: Sample | None = None
         queues = sorted(parent.app.amqp.queues.consume_from or parent.app.amqp.queues)
         self.sampler = Sampler(parent.app, runtime.store, queues)
+        from celery_guard.task import GuardedTask  # task imports install, which imports us
+
+        metrics.declare_series(
+            sorted(name for name, task in parent.app.tasks.items() if isinstance(task, GuardedTask))
+        )
 
     def state(self) -> tuple[str, int, int]:
         """(state, running, fenced): the main process's lifecycle, else its children's work."""
