@@ -216,9 +216,9 @@ class ConcurrencyGovernor:
     At most once per ``window`` seconds, and only while the circuit is CLOSED (an open circuit
     already stopped the work): when at least ``min_calls`` calls were made in the window and
     at least ``timeout_ratio`` of them timed out (or their mean latency reached ``latency``),
-    the pool shrinks by one, never below ``floor``. A healthy window (timeouts under half the
-    ratio, latency under half its threshold, or no calls at all) grows it back by one, never
-    above ``original``.
+    the pool shrinks by one, never below ``floor``. A healthy window (some calls, with
+    timeouts under half the ratio and a mean latency under half its threshold) grows it back by
+    one, never above ``original``.
     """
 
     def __init__(
@@ -256,7 +256,9 @@ class ConcurrencyGovernor:
 
     def _healthy(self, totals: Totals) -> bool:
         if not totals.calls:
-            return True
+            # No evidence: deliveries deferred by the slow store may all be waiting out their
+            # countdown, and growing now would only shrink again.
+            return False
         if totals.timeout_ratio >= self.timeout_ratio / 2:
             return False
         return self.latency is None or totals.mean_latency < self.latency / 2

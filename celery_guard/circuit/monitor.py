@@ -53,6 +53,9 @@ class ConsumerControl:
         self._want_processes: int | None = None
         self._resize_cause = ""
         self._poke_pending = False
+        #: The worker's event loop, once registered (``None``: Celery's blocking loop).
+        self.hub: Any = None
+        self._retry_scheduled = False
 
     # -- the monitor thread ---------------------------------------------------------------------
 
@@ -82,7 +85,7 @@ class ConsumerControl:
 
     def poke(self) -> None:
         """Without an event loop: ask Celery's loop to reconcile (once until it has)."""
-        if getattr(self.worker, "hub", None) is not None or self.settled():
+        if self.hub is not None or self.settled():
             return
         with self._lock:
             if self._poke_pending:
@@ -91,6 +94,11 @@ class ConsumerControl:
         self.worker.consumer.call_soon(self.reconcile)
 
     # -- the event loop -------------------------------------------------------------------------
+
+    def attach(self, hub: Any) -> None:
+        """The consumer (re)started its event loop (a reset loop dropped our queued retry)."""
+        self.hub = hub
+        self._retry_scheduled = False
 
     def reconcile(self) -> None:
         """Make the consumers and the pool what the monitor wants (event loop thread only)."""
@@ -106,6 +114,17 @@ class ConsumerControl:
                 self._resize(consumer, want_processes, resize_cause)
         except Exception:  # never let the event loop die for backpressure
             logger.exception("celery_guard circuit: could not apply the circuit's decision")
+
+    def _retry_resize(self) -> None:
+        self._retry_scheduled = False
+        with self._lock:
+            want_processes, resize_cause = self._want_processes, self._resize_cause
+        if want_processes is None:
+            return
+        try:
+            self._resize(self.worker.consumer, want_processes, resize_cause)
+        except Exception:
+            logger.exception("celery_guard circuit: could not resize the pool")
 
     def _pause_or_resume(self, consumer: Any, pause: bool, cause: str) -> None:
         task_consumer = getattr(consumer, "task_consumer", None)
@@ -145,8 +164,15 @@ class ConsumerControl:
             try:
                 pool.shrink(1)
             except ValueError:
-                # billiard shrinks idle processes only; try again on the next round.
-                logger.debug("celery_guard: every pool process is busy; shrinking later")
+                # billiard shrinks idle processes only, and while work keeps coming a process is
+                # idle only between reading its result and being given the next job: the loop
+                # does that in one round (events, then its on_tick writes). A callback queued
+                # with call_soon runs at the start of the next round, in between; it re-queues
+                # itself each round (no busy loop: each round still waits in poll) until the
+                # shrink is done or no longer wanted.
+                if self.hub is not None and not self._retry_scheduled:
+                    self._retry_scheduled = True
+                    self.hub.call_soon(self._retry_resize)
                 return
             # What Celery's pool_shrink control command does after the shrink.
             consumer._update_prefetch_count(-1)
@@ -356,6 +382,7 @@ class CircuitStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ship
         # Called each time the consumer (re)connects; Celery cancels these entries on a
         # connection loss.
         if self.control is not None:
+            self.control.attach(hub)
             hub.call_repeatedly(RECONCILE_INTERVAL, self.control.reconcile)
 
     def stop(self, parent: Any) -> None:

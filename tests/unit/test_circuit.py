@@ -234,10 +234,14 @@ def test_healthy_windows_grow_the_pool_back_one_at_a_time() -> None:
     grow = governor.evaluate(feed.window, CircuitState.CLOSED)
     assert grow is not None and (grow.delta, grow.target) == (1, 2)
     feed.idle(5)
-    assert governor.evaluate(feed.window, CircuitState.CLOSED) is None
-    feed.idle(5)
+    feed.calls(ok=5)
+    assert governor.evaluate(feed.window, CircuitState.CLOSED) is None  # once per window
+    feed.idle(10)
+    assert governor.evaluate(feed.window, CircuitState.CLOSED) is None  # no calls: no evidence
+    feed.calls(ok=1)
     assert governor.evaluate(feed.window, CircuitState.CLOSED).target == 3  # type: ignore[union-attr]
     feed.idle(10)
+    feed.calls(ok=50)
     assert governor.evaluate(feed.window, CircuitState.CLOSED) is None  # the original size
 
 
