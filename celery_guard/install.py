@@ -8,6 +8,8 @@ from typing import Any
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_guard.circuit import Circuit
+from celery_guard.circuit.monitor import CircuitStep
 from celery_guard.config import GuardConfig
 from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import ConfigurationError, StoreError
@@ -58,6 +60,9 @@ class GuardRuntime:
         )
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None
+        # -- backpressure (celery_guard.circuit): circuit breaker, adaptive concurrency --
+        self.circuit = Circuit(config)
+        self.circuit.watch(self.store, self.leases)
 
     def migrate(self) -> None:
         """Create the store's tables when missing."""
@@ -78,6 +83,7 @@ def install(app: Celery) -> GuardRuntime:
     setattr(app, _RUNTIME_ATTRIBUTE, runtime)
     _connect_worker_signals(app, runtime)
     app.steps["worker"].add(GuardStep)
+    app.steps["worker"].add(CircuitStep)  # backpressure: the circuit's monitor
     return runtime
 
 
@@ -96,6 +102,7 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", app) is not app:
             return
+        runtime.circuit.on_worker_init()  # backpressure: shared block, before the pool forks
         if runtime.config.create_tables:
             # Once in the main process, before the pool forks, so children do not race to
             # create the same tables; then drop the connection so no child inherits it.
@@ -109,6 +116,7 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
 
     def on_worker_process_init(**_: Any) -> None:
         runtime.store.reset_after_fork()
+        runtime.circuit.on_child_start()  # backpressure: count this child's store calls
 
     def on_worker_process_shutdown(**_: Any) -> None:
         runtime.heartbeat.stop()
