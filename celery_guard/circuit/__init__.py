@@ -80,8 +80,9 @@ class Circuit:
         """Main process, ``worker_init``: create the shared block before the pool forks."""
         if self.enabled and self.block is None:
             self.block = SharedBlock()
-        if self.block is not None:
+        if self.block is not None:  # a worker started again in this process starts afresh
             self.block.state = CircuitState.CLOSED
+            self.block.opened = 0
 
     def on_child_start(self) -> None:
         """Prefork child, ``worker_process_init``: count this child's calls in its own slot."""

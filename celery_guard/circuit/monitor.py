@@ -364,9 +364,11 @@ class CircuitStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ship
             circuit.record_in_this_process()
         adaptive_from: int | None = None
         if config.adaptive_concurrency:
-            kind = type(pool).__module__.rsplit(".", 1)[-1]
             if not prefork:
-                logger.info("celery_guard adaptive concurrency is off with the %s pool", kind)
+                logger.info(
+                    "celery_guard adaptive concurrency is off: the pool is not prefork (%s)",
+                    type(pool).__module__,
+                )
             elif getattr(parent, "autoscaler", None):
                 logger.info("celery_guard adaptive concurrency is off: --autoscale sizes the pool")
             else:

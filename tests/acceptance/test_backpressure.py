@@ -191,6 +191,54 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
         client.close()
 
 
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_in_process_pools_open_and_close_the_circuit_too(
+    stoppable_postgres: PostgresServer, redis_server: RedisServer, pool: str
+) -> None:
+    """Deliveries run in the main process: it counts its own store calls (slot 0)."""
+    store_url = new_store_database(stoppable_postgres, "inprocess")
+    env = {
+        "CG_BROKER_URL": redis_server.url_for(BROKER_DB),
+        "CG_RESULT_URL": redis_server.url_for(RESULT_DB),
+        "CG_STORE_URL": store_url,
+        "CG_STORE_TIMEOUT": "1",
+        "CG_CIRCUIT_WINDOW": "2",
+        "CG_CIRCUIT_MIN_CALLS": "3",
+        "CG_CIRCUIT_PROBE_INTERVAL": "0.5",
+        "CG_CIRCUIT_HOLD": "1",
+    }
+    with redis_server.client(BROKER_DB) as broker:
+        broker.flushdb()
+    client = Celery(f"{pool}-client", broker=env["CG_BROKER_URL"])
+    names = [f"{uuid.uuid4().hex[:8]}-{i}" for i in range(6)]
+    worker: WorkerProcess | None = None
+    try:
+        (worker,) = start_workers(1, env, pool=pool)
+        log = worker.log_text
+        assert "adaptive concurrency is off: the pool is not prefork" in log()
+        stoppable_postgres.stop(keep_data=True)
+        for name in names:
+            client.send_task("shop.record", args=(name,))
+        wait_until(lambda: "CLOSED -> OPEN" in log(), timeout=20, what="the circuit to open")
+        wait_until(lambda: consumed_queues(client) == [], timeout=15, what="consumption to stop")
+        stoppable_postgres.restart()
+        wait_until(lambda: "HALF_OPEN -> CLOSED" in log(), timeout=30, what="the circuit to close")
+        wait_until(
+            lambda: consumed_queues(client) == ["celery"], timeout=15, what="consumption to resume"
+        )
+        wait_until(
+            lambda: len(effect_counts(store_url, names)) == len(names),
+            timeout=60,
+            what="every task to complete",
+        )
+        time.sleep(1)
+        assert effect_counts(store_url, names) == dict.fromkeys(names, 1)
+    finally:
+        if worker is not None:
+            worker.stop()
+        client.close()
+
+
 def test_store_timeouts_shrink_the_pool_and_healthy_windows_grow_it_back(
     postgres: PostgresServer, redis_server: RedisServer
 ) -> None:
