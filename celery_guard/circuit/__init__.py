@@ -107,9 +107,9 @@ class Circuit:
         """Count one store call made for a delivery: ``ok`` (the store answered), whether it
         ran into a timeout (a timeout is a failure too), and how long it took.
 
-        Called in the process that made the call (a prefork child, or the main process of an
-        in-process pool); calls of the main process's own threads (reaper, probes) are not
-        counted.
+        Called in the process that made the call: a prefork child, or the main process of an
+        in-process pool (solo, threads), where the reaper's calls share the process and count
+        too. A prefork worker's main process counts nothing; the probes never count.
         """
         block = self.block
         if not self._recording or block is None or getattr(self._local, "quiet", False):
