@@ -89,6 +89,7 @@ class SqlStore:
         self._engine_pid: int | None = None
         self._schema_ready = False
         self.dialect_name = make_url(config.store_url).get_backend_name()
+        self._observing = threading.local()  # a call inside a call is not counted twice
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -537,17 +538,20 @@ class SqlStore:
         """Run ``operation``, telling :attr:`observer` (if any) how it went and how long it took.
 
         A store error is a failure; any other exception (Fenced: the store answered) is not
-        counted at all.
+        counted at all. Calls made inside it (creating the tables on first use) are part of it.
         """
         observer = self.observer
-        if observer is None:
+        if observer is None or getattr(self._observing, "active", False):
             return operation()
         started = time.monotonic()
+        self._observing.active = True
         try:
             value = operation()
         except StoreError as exc:
             _tell(observer, time.monotonic() - started, exc)
             raise
+        finally:
+            self._observing.active = False
         _tell(observer, time.monotonic() - started, None)
         return value
 
