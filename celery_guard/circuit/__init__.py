@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +32,16 @@ from celery_guard.circuit.shared import SharedBlock
 from celery_guard.circuit.timeouts import timed_out
 from celery_guard.config import GuardConfig
 from celery_guard.errors import StoreError
-from celery_guard.lease.backends import LeaseBackend, RedisLeases
-from celery_guard.store.sql import SqlStore
+from celery_guard.lease.backends import LeaseBackend
+from celery_guard.store.sql import SqlStore, StoreObserver
 
 if TYPE_CHECKING:
     from celery_guard.circuit.monitor import CircuitMonitor
 
 __all__ = ["Circuit", "CircuitState"]
+
+#: The lease backend's calls that reach Redis.
+_LEASE_CALLS = ("acquire", "renew_leases", "release", "held")
 
 logger = logging.getLogger("celery_guard.circuit")
 
@@ -73,8 +77,11 @@ class Circuit:
     def watch(self, store: SqlStore, leases: LeaseBackend) -> None:
         """Count the calls of the store and, when leases live in Redis, of the lease backend."""
         store.observer = self.observe
-        if isinstance(leases, RedisLeases):
-            leases.observer = self.observe
+        if not leases.in_store:
+            # The Redis backend's calls, wrapped on this instance (the handler and the heartbeat
+            # share it): each raises StoreUnavailable when Redis does not answer.
+            for name in _LEASE_CALLS:
+                setattr(leases, name, _observed(getattr(leases, name), self.observe))
 
     def on_worker_init(self) -> None:
         """Main process, ``worker_init``: create the shared block before the pool forks."""
@@ -184,3 +191,27 @@ class Circuit:
             key,
         )
         raise Reject(f"celery_guard: store circuit open for {hold:g}s", requeue=True)
+
+
+def _observed(call: Callable[..., Any], observer: StoreObserver) -> Callable[..., Any]:
+    """``call``, telling ``observer`` its latency and the StoreError it ended with, if any."""
+
+    @functools.wraps(call)
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            value = call(*args, **kwargs)
+        except StoreError as exc:
+            _tell(observer, time.monotonic() - started, exc)
+            raise
+        _tell(observer, time.monotonic() - started, None)
+        return value
+
+    return observed
+
+
+def _tell(observer: StoreObserver, seconds: float, error: StoreError | None) -> None:
+    try:
+        observer(seconds, error)
+    except Exception:  # counting a call must never change its outcome
+        logger.exception("celery_guard: the store call observer failed")

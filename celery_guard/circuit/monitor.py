@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+import redis
 from celery import bootsteps
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
@@ -299,9 +300,11 @@ class CircuitMonitor:
             with self.circuit.unrecorded():
                 self.store.now()
                 if isinstance(self.leases, RedisLeases):
-                    self.leases.ping()
+                    self.leases.client.ping()
         except StoreError as exc:
             return False, str(exc)
+        except redis.RedisError as exc:
+            return False, f"lease store: {exc}"
         return True, ""
 
     def _publish(self, transition: Transition) -> None:

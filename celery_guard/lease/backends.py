@@ -8,23 +8,17 @@ release in Lua, ``INCR`` for the fencing counter (seed 001).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import redis
 
 from celery_guard.errors import StoreUnavailable
-from celery_guard.store.sql import SqlStore, StoreObserver
-
-T = TypeVar("T")
-
-logger = logging.getLogger("celery_guard")
+from celery_guard.store.sql import SqlStore
 
 
 @dataclass(frozen=True)
@@ -112,8 +106,6 @@ class RedisLeases:
     """Leases in Redis; one client per process, created after fork."""
 
     in_store = False
-    #: Told the outcome and latency of every call (the circuit breaker's counts); ``None``: none.
-    observer: StoreObserver | None = None
 
     def __init__(self, url: str, *, timeout: float, prefix: str = "celery_guard") -> None:
         self.url = url
@@ -156,13 +148,14 @@ class RedisLeases:
 
     def acquire(self, key: str, ttl: float) -> Acquisition:
         client = self.client
-        acquired, token, pttl = self._run(
-            lambda: self._scripts["acquire"](
+        try:
+            acquired, token, pttl = self._scripts["acquire"](
                 keys=[self.lease_key(key), self.fence_key(key)],
                 args=[max(1, int(ttl * 1000))],
                 client=client,
             )
-        )
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
         return Acquisition(
             acquired=bool(acquired), handle=int(token), remaining=max(0, int(pttl)) / 1000
         )
@@ -172,8 +165,7 @@ class RedisLeases:
         if not pairs:
             return set()
         client = self.client
-
-        def renew() -> list[Any]:
+        try:
             # One round trip for every lease this process holds.
             pipeline = client.pipeline(transaction=False)
             for key, handle in pairs:
@@ -182,55 +174,31 @@ class RedisLeases:
                     args=[handle, max(1, int(ttl * 1000))],
                     client=pipeline,
                 )
-            return list(pipeline.execute())
-
-        answers = self._run(renew)
+            answers = pipeline.execute()
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
         return {key for (key, _), answer in zip(pairs, answers, strict=True) if answer == 1}
 
     def release(self, key: str, handle: int | None) -> bool:
         if handle is None:
             return False
         client = self.client
-        dropped = self._run(
-            lambda: self._scripts["release"](
+        try:
+            dropped = self._scripts["release"](
                 keys=[self.lease_key(key)], args=[handle], client=client
             )
-        )
+        except redis.RedisError as exc:
+            raise self._unavailable(exc) from exc
         return bool(dropped == 1)
 
     def held(self, keys: list[str]) -> set[str]:
         if not keys:
             return set()
-        client = self.client
-        values = self._run(lambda: client.mget([self.lease_key(key) for key in keys]))
-        return {key for key, value in zip(keys, values, strict=True) if value is not None}
-
-    def ping(self) -> None:
-        """Raise StoreUnavailable unless Redis answers (the circuit breaker's probe)."""
-        client = self.client
-        self._run(client.ping)
-
-    def _run(self, operation: Callable[[], T]) -> T:
-        """One call to Redis: its errors become StoreUnavailable, :attr:`observer` is told."""
-        started = time.monotonic()
         try:
-            value = operation()
+            values = self.client.mget([self.lease_key(key) for key in keys])
         except redis.RedisError as exc:
-            error = self._unavailable(exc)
-            error.__cause__ = exc
-            self._tell(time.monotonic() - started, error)
-            raise error from exc
-        self._tell(time.monotonic() - started, None)
-        return value
-
-    def _tell(self, seconds: float, error: StoreUnavailable | None) -> None:
-        observer = self.observer
-        if observer is None:
-            return
-        try:
-            observer(seconds, error)
-        except Exception:  # counting a call must never change its outcome
-            logger.exception("celery_guard: the lease call observer failed")
+            raise self._unavailable(exc) from exc
+        return {key for key, value in zip(keys, values, strict=True) if value is not None}
 
     def close(self) -> None:
         with self._lock:

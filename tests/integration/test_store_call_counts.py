@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from celery_guard import GuardConfig, StoreError, StoreUnavailable
+from celery_guard.circuit import Circuit
 from celery_guard.circuit.timeouts import is_timeout, timed_out
 from celery_guard.lease.backends import RedisLeases
 from celery_guard.store import ClaimRequest, SqlStore
@@ -75,27 +76,32 @@ def test_a_refused_connection_is_a_failure_not_a_timeout() -> None:
     assert not timed_out(error, seconds, store_timeout=2.0)
 
 
-def test_redis_lease_calls_are_reported_too(redis_server: RedisServer) -> None:
-    seen: Seen = []
+def test_redis_lease_calls_are_counted_too(redis_server: RedisServer, sqlite_url: str) -> None:
+    circuit = Circuit(GuardConfig(store_timeout=1.0))
+    circuit.on_worker_init()
+    circuit.record_in_this_process()
+    assert circuit.block is not None
+    store = SqlStore(GuardConfig(store_url=sqlite_url))
     leases = RedisLeases(redis_server.url_for(9), timeout=1.0, prefix=uuid.uuid4().hex)
-    leases.observer = lambda seconds, error: seen.append((seconds, error))
     dead = RedisLeases(f"redis://127.0.0.1:{free_port()}/0", timeout=1.0)
-    dead.observer = leases.observer
+    circuit.watch(store, leases)
+    circuit.watch(store, dead)
     try:
         held = leases.acquire("k", ttl=30)
-        leases.renew_leases([("k", held.handle or 0)], ttl=30)
-        leases.release("k", held.handle)
-        leases.ping()
-        assert [error for _, error in seen] == [None] * 4
+        assert held.acquired
+        assert leases.renew_leases([("k", held.handle or 0)], ttl=30) == {"k"}
+        assert leases.held(["k"]) == {"k"}
+        assert leases.release("k", held.handle)
+        assert circuit.block.totals().calls == 4
+        assert circuit.block.totals().failures == 0
         with pytest.raises(StoreUnavailable):
             dead.acquire("k", ttl=30)
-        with pytest.raises(StoreUnavailable):
-            dead.ping()
-        assert all(isinstance(error, StoreUnavailable) for _, error in seen[4:])
-        assert len(seen) == 6
+        totals = circuit.block.totals()
+        assert (totals.calls, totals.failures) == (5, 1)
     finally:
         leases.close()
         dead.close()
+        store.dispose()
 
 
 def test_an_observer_that_raises_does_not_change_the_call(
