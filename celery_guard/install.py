@@ -102,7 +102,6 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", app) is not app:
             return
-        runtime.circuit.on_worker_init()  # backpressure: shared block, before the pool forks
         if runtime.config.create_tables:
             # Once in the main process, before the pool forks, so children do not race to
             # create the same tables; then drop the connection so no child inherits it.
@@ -113,6 +112,7 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
                 # answers, deliveries are deferred rather than lost.
                 logger.error("celery_guard could not prepare the store at worker start: %s", exc)
         runtime.store.dispose()
+        runtime.circuit.on_worker_init()  # backpressure: shared block, before the pool forks
 
     def on_worker_process_init(**_: Any) -> None:
         runtime.store.reset_after_fork()
