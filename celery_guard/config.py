@@ -94,6 +94,31 @@ class GuardConfig:
     metrics_port: int | None = DEFAULT_METRICS_PORT
     #: Address the metrics endpoint listens on.
     metrics_address: str = "0.0.0.0"
+    #: Store circuit breaker (backpressure): when too many of this worker's store calls fail,
+    #: the worker stops consuming, probes the store, and resumes once it answers again.
+    circuit_enabled: bool = True
+    #: Share of store calls in the window that must fail for the circuit to open.
+    circuit_failure_ratio: float = 0.5
+    #: Fewest store calls in the window before the circuit may open (or the pool may shrink).
+    circuit_min_calls: int = 5
+    #: Seconds of store calls the breaker and adaptive concurrency look back over; the pool is
+    #: resized at most once per window.
+    circuit_window: float = 10.0
+    #: Seconds between two probes of the store (``SELECT`` of its clock) while the circuit is
+    #: open; the circuit closes after two probes in a row succeed.
+    circuit_probe_interval: float = 1.0
+    #: Seconds a delivery already prefetched waits for an open circuit to close before its
+    #: message is given back to the broker unacknowledged (``Reject(requeue=True)``).
+    circuit_hold: float = 5.0
+    #: Prefork only: shrink the pool by one process when store calls time out (down to one
+    #: process, at most once per window) and grow it back by one per healthy window.
+    adaptive_concurrency: bool = True
+    #: Share of store calls in the window that timed out above which the pool shrinks; a window
+    #: below half of it is healthy.
+    adaptive_timeout_ratio: float = 0.2
+    #: Mean store-call latency (seconds) in the window above which the pool shrinks too;
+    #: ``None``: only timeouts count.
+    adaptive_latency: float | None = None
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
@@ -157,6 +182,26 @@ class GuardConfig:
             raise ConfigurationError(
                 f"guard_metrics_address must be a host address, got {self.metrics_address!r}"
             )
+        for name in ("circuit_enabled", "adaptive_concurrency"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(
+                    f"guard_{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        for name in ("circuit_failure_ratio", "adaptive_timeout_ratio"):
+            _check_ratio(f"guard_{name}", getattr(self, name))
+        if (
+            isinstance(self.circuit_min_calls, bool)
+            or not isinstance(self.circuit_min_calls, int)
+            or self.circuit_min_calls < 1
+        ):
+            raise ConfigurationError(
+                f"guard_circuit_min_calls must be an integer >= 1, got {self.circuit_min_calls!r}"
+            )
+        _check_number("guard_circuit_window", self.circuit_window, minimum=0.1)
+        _check_number("guard_circuit_probe_interval", self.circuit_probe_interval, minimum=0.01)
+        _check_number("guard_circuit_hold", self.circuit_hold, minimum=0.0)
+        if self.adaptive_latency is not None:
+            _check_number("guard_adaptive_latency", self.adaptive_latency, minimum=0.001)
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
 
@@ -242,6 +287,13 @@ def _check_number(name: str, value: object, *, minimum: float) -> None:
         raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
     if not math.isfinite(value) or value < minimum:
         raise ConfigurationError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+
+
+def _check_ratio(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number between 0 and 1, got {value!r}")
+    if not math.isfinite(value) or not 0 < value <= 1:
+        raise ConfigurationError(f"{name} must be a number > 0 and <= 1, got {value!r}")
 
 
 def check_ttl_option(name: str, value: object) -> float | None:

@@ -10,6 +10,8 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guard import metrics
+from celery_guard.circuit import Circuit
+from celery_guard.circuit.monitor import CircuitStep
 from celery_guard.config import GuardConfig
 from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import ConfigurationError, StoreError
@@ -64,6 +66,9 @@ class GuardRuntime:
         )
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None
+        # -- backpressure (celery_guard.circuit): circuit breaker, adaptive concurrency --
+        self.circuit = Circuit(config)
+        self.circuit.watch(self.store, self.leases)
 
     def migrate(self) -> None:
         """Create the store's tables when missing."""
@@ -88,6 +93,7 @@ def install(app: Celery) -> GuardRuntime:
     )
     _connect_worker_signals(app, runtime)
     app.steps["worker"].add(GuardStep)
+    app.steps["worker"].add(CircuitStep)  # backpressure: the circuit's monitor
     return runtime
 
 
@@ -124,9 +130,11 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
                 # answers, deliveries are deferred rather than lost.
                 logger.error("celery_guard could not prepare the store at worker start: %s", exc)
         runtime.store.dispose()
+        runtime.circuit.on_worker_init()  # backpressure: shared block, before the pool forks
 
     def on_worker_process_init(**_: Any) -> None:
         runtime.store.reset_after_fork()
+        runtime.circuit.on_child_start()  # backpressure: count this child's store calls
 
     def on_worker_process_shutdown(**_: Any) -> None:
         runtime.heartbeat.stop()

@@ -39,6 +39,9 @@ RETRIED: Final = "retried"
 DEAD_LETTERED: Final = "dead_lettered"
 #: The key was dead-lettered earlier: this delivery did not run.
 DEAD_LETTER_SKIPPED: Final = "dead_letter_skipped"
+#: The store circuit breaker was open and stayed open for ``guard_circuit_hold`` seconds: no
+#: body ran, the message went back to the broker unacknowledged.
+CIRCUIT_OPEN_DEFERRED: Final = "circuit_open_deferred"
 
 OUTCOMES: Final = (
     COMPLETED,
@@ -51,6 +54,7 @@ OUTCOMES: Final = (
     RETRIED,
     DEAD_LETTERED,
     DEAD_LETTER_SKIPPED,
+    CIRCUIT_OPEN_DEFERRED,
 )
 
 outcome = Signal(name="celery_guard.outcome")

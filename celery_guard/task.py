@@ -183,6 +183,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         if request.called_directly:
             return self._call_directly(runtime.store, args, kwargs)
         delivery = self._delivery(request, args, kwargs, runtime.config)
+        runtime.circuit.before_claim(self, delivery.key)  # backpressure: hold, or give it back
         try:
             return runtime.handler.execute(
                 self, delivery, lambda execution: self._run_body(execution, args, kwargs)

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -65,6 +66,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Told about every store call: (seconds it took, the StoreError it ended with or ``None``).
+StoreObserver = Callable[[float, StoreError | None], None]
+
 #: Execution option: this SQLite transaction only reads, so it need not wait for the write lock.
 _SQLITE_READ_ONLY = "celery_guard_read_only"
 
@@ -77,6 +81,9 @@ DEAD = KeyState.DEAD.value
 class SqlStore:
     """The durable idempotency table on PostgreSQL or SQLite."""
 
+    #: Told the outcome and latency of every call (the circuit breaker's counts); ``None``: none.
+    observer: StoreObserver | None = None
+
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
         self._lock = threading.Lock()
@@ -84,6 +91,7 @@ class SqlStore:
         self._engine_pid: int | None = None
         self._schema_ready = False
         self.dialect_name = make_url(config.store_url).get_backend_name()
+        self._observing = threading.local()  # a call inside a call is not counted twice
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -491,10 +499,14 @@ class SqlStore:
 
     def commit(self, transaction: RootTransaction) -> None:
         """Commit a task's transaction; failures are store errors (never resent: not idempotent)."""
-        try:
-            transaction.commit()
-        except sa_exc.DBAPIError as exc:
-            raise _wrap(exc, self.config) from exc
+
+        def commit() -> None:
+            try:
+                transaction.commit()
+            except sa_exc.DBAPIError as exc:
+                raise _wrap(exc, self.config) from exc
+
+        self._observed(commit)
 
     def connect(self) -> Connection:
         """A new connection for a task's own transaction; the caller closes it."""
@@ -523,6 +535,30 @@ class SqlStore:
 
     def _call(self, operation: Callable[[], T]) -> T:
         """Run a store operation, once more after a dropped connection; wrap driver errors."""
+        return self._observed(lambda: self._call_unobserved(operation))
+
+    def _observed(self, operation: Callable[[], T]) -> T:
+        """Run ``operation``, telling :attr:`observer` (if any) how it went and how long it took.
+
+        A store error is a failure; any other exception (Fenced: the store answered) is not
+        counted at all. Calls made inside it (creating the tables on first use) are part of it.
+        """
+        observer = self.observer
+        if observer is None or getattr(self._observing, "active", False):
+            return operation()
+        started = time.monotonic()
+        self._observing.active = True
+        try:
+            value = operation()
+        except StoreError as exc:
+            _tell(observer, time.monotonic() - started, exc)
+            raise
+        finally:
+            self._observing.active = False
+        _tell(observer, time.monotonic() - started, None)
+        return value
+
+    def _call_unobserved(self, operation: Callable[[], T]) -> T:
         for attempt in (1, 2):
             try:
                 return operation()
@@ -761,6 +797,14 @@ class SqlStore:
                 return DeadLetter.from_mapping(row._mapping)
 
         return self._call(write)
+
+
+def _tell(observer: StoreObserver, seconds: float, error: StoreError | None) -> None:
+    """Counting a call must never change its outcome."""
+    try:
+        observer(seconds, error)
+    except Exception:
+        logger.exception("celery_guard: the store call observer failed")
 
 
 def _upsert(dialect_name: str, table: Any) -> Any:

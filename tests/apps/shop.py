@@ -47,6 +47,13 @@ app.conf.update(
     guard_hard_deadline=float(os.environ["CG_HARD_DEADLINE"])
     if os.environ.get("CG_HARD_DEADLINE")
     else None,
+    # Backpressure (celery_guard.circuit): tests shorten the windows.
+    guard_circuit_enabled=os.environ.get("CG_CIRCUIT_ENABLED", "1") == "1",
+    guard_circuit_min_calls=int(os.environ.get("CG_CIRCUIT_MIN_CALLS", "5")),
+    guard_circuit_window=float(os.environ.get("CG_CIRCUIT_WINDOW", "10")),
+    guard_circuit_probe_interval=float(os.environ.get("CG_CIRCUIT_PROBE_INTERVAL", "1")),
+    guard_circuit_hold=float(os.environ.get("CG_CIRCUIT_HOLD", "5")),
+    guard_adaptive_concurrency=os.environ.get("CG_ADAPTIVE_CONCURRENCY", "1") == "1",
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("CG_VISIBILITY_TIMEOUT", "3600")),
         # Sweep for unacknowledged messages every second, so a short visibility timeout set by

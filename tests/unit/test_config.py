@@ -67,3 +67,43 @@ def test_safe_store_url_hides_the_password() -> None:
 def test_install_is_idempotent_per_app() -> None:
     app = make_app()
     assert celery_guard.install(app) is celery_guard.install(app)
+
+
+def test_circuit_and_adaptive_concurrency_defaults() -> None:
+    config = GuardConfig.from_celery_conf(make_app().conf)
+    assert config.circuit_enabled is True
+    assert config.circuit_failure_ratio == 0.5
+    assert config.circuit_min_calls == 5
+    assert config.circuit_window == 10.0
+    assert config.circuit_probe_interval == 1.0
+    assert config.circuit_hold == 5.0
+    assert config.adaptive_concurrency is True
+    assert config.adaptive_timeout_ratio == 0.2
+    assert config.adaptive_latency is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("guard_circuit_enabled", "on", "guard_circuit_enabled must be True or False"),
+        ("guard_circuit_failure_ratio", 0, "guard_circuit_failure_ratio must be a number > 0"),
+        ("guard_circuit_failure_ratio", 1.5, "guard_circuit_failure_ratio must be a number > 0"),
+        ("guard_circuit_failure_ratio", "half", "guard_circuit_failure_ratio must be a number"),
+        ("guard_circuit_min_calls", 0, "guard_circuit_min_calls must be an integer >= 1"),
+        ("guard_circuit_min_calls", 2.5, "guard_circuit_min_calls must be an integer >= 1"),
+        ("guard_circuit_min_calls", True, "guard_circuit_min_calls must be an integer >= 1"),
+        ("guard_circuit_window", 0, "guard_circuit_window must be a finite number >= 0.1"),
+        ("guard_circuit_probe_interval", None, "guard_circuit_probe_interval must be a number"),
+        ("guard_circuit_hold", -1, "guard_circuit_hold must be a finite number >= 0.0"),
+        ("guard_adaptive_concurrency", 1, "guard_adaptive_concurrency must be True or False"),
+        ("guard_adaptive_timeout_ratio", float("nan"), "guard_adaptive_timeout_ratio must be"),
+        ("guard_adaptive_latency", 0, "guard_adaptive_latency must be a finite number >= 0.001"),
+        ("guard_circuit_treshold", 0.5, "unknown celery_guard setting 'guard_circuit_treshold'"),
+    ],
+)
+def test_bad_circuit_values_fail_at_install_naming_the_key(
+    key: str, value: object, message: str
+) -> None:
+    app = make_app(**{key: value})
+    with pytest.raises(ConfigurationError, match=message):
+        celery_guard.install(app)
