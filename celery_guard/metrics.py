@@ -41,7 +41,7 @@ from prometheus_client import (
     start_http_server,
     values,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from celery_guard import signals
@@ -78,6 +78,9 @@ class MetricSpec:
             return tuple(self.name + suffix for suffix in ("_bucket", "_count", "_sum"))
         return (self.name,)
 
+
+#: Counters whose value lives elsewhere (the circuit's shared block) and is read at scrape time.
+_READ_AT_SCRAPE = frozenset({"celery_guard_circuit_opened"})
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 _RECOVERY_BUCKETS = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 900, 3600)
@@ -294,7 +297,7 @@ class ProcessMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.objects: dict[str, Any] = {}
         for spec in CATALOGUE:
-            if spec.kind == "gauge" and spec.scope != "process":
+            if (spec.kind == "gauge" and spec.scope != "process") or spec.name in _READ_AT_SCRAPE:
                 continue  # read at scrape time by WorkerCollector
             options: dict[str, Any] = {"labelnames": spec.labels, "registry": registry}
             if spec.kind == "counter":
@@ -556,6 +559,12 @@ class WorkerCollector(Collector):
         yield _single("celery_guard_reaper_leader", 1.0 if snap.leader else 0.0)
         if snap.circuit_state is not None:
             yield _single("celery_guard_circuit_state", float(snap.circuit_state))
+        if snap.circuit_opened is not None:
+            yield CounterMetricFamily(
+                "celery_guard_circuit_opened",
+                SPECS["celery_guard_circuit_opened"].help,
+                value=float(snap.circuit_opened),
+            )
         if snap.pool_concurrency is not None:
             yield _single("celery_guard_pool_concurrency", float(snap.pool_concurrency))
         sample = snap.sample

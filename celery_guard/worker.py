@@ -10,6 +10,7 @@ from typing import Any
 from celery import bootsteps
 
 from celery_guard import metrics
+from celery_guard.circuit.breaker import CircuitState
 from celery_guard.errors import StoreError
 from celery_guard.metrics import MetricsServer, WorkerSnapshot, build_registry
 from celery_guard.reaper import Reaper, ReaperReport
@@ -157,7 +158,10 @@ class WorkerMonitor:
         """(state, running, fenced): the main process's lifecycle, else its children's work."""
         counts = metrics.live_execution_counts() or self.runtime.states.counts()
         running, fenced = counts
-        return combine_state(self.runtime.states.lifecycle, running, fenced).value, running, fenced
+        lifecycle = self.runtime.states.lifecycle
+        if lifecycle is None and self.runtime.circuit.state is CircuitState.OPEN:
+            lifecycle = WorkerState.DRAINING  # design.md: no new work while the store fails
+        return combine_state(lifecycle, running, fenced).value, running, fenced
 
     def beat(self) -> None:
         """Record this worker as alive for one lease TTL (every reaper interval)."""
@@ -169,7 +173,7 @@ class WorkerMonitor:
                 state=state,
                 running=running,
                 fenced=fenced,
-                circuit=None,
+                circuit=self._circuit_name(),
                 ttl=self.runtime.config.lease_ttl,
             )
         except StoreError as exc:
@@ -184,14 +188,22 @@ class WorkerMonitor:
             self.sample_ = None  # only the holder exports the sampled series
         metrics.record_reaper_pass(report.orphaned_for, len(report.dead_owners))
 
+    def _circuit_name(self) -> str | None:
+        circuit = self.runtime.circuit
+        return circuit.state.name if circuit.config.circuit_enabled else None
+
     def snapshot(self) -> WorkerSnapshot:
         pool = getattr(self.parent, "pool", None)
         reaper = self.runtime.reaper
         leader = bool(reaper is not None and reaper.leader)
+        circuit = self.runtime.circuit
+        enabled = circuit.config.circuit_enabled
         return WorkerSnapshot(
             state=self.state()[0],
             leader=leader,
-            pool_concurrency=getattr(pool, "num_processes", None),
+            circuit_state=int(circuit.state) if enabled else None,
+            circuit_opened=circuit.opened if enabled else None,
+            pool_concurrency=circuit.concurrency or getattr(pool, "num_processes", None),
             sample=self.sample_ if leader else None,
         )
 

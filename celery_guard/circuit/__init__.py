@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Reject
 from celery.utils.log import current_process_index
 
-from celery_guard import signals
+from celery_guard import metrics, signals
 from celery_guard.circuit.breaker import CircuitState
 from celery_guard.circuit.shared import SharedBlock
 from celery_guard.circuit.timeouts import timed_out
@@ -94,15 +94,14 @@ class Circuit:
     def on_child_start(self) -> None:
         """Prefork child, ``worker_process_init``: count this child's calls in its own slot."""
         self._lock = threading.Lock()  # whatever the parent's was doing when it forked
+        self._recording = True  # the metrics count store calls even with the circuit off
         if self.block is not None:
             self._slot = self.block.slot_for(current_process_index(base=1) or 0)
-            self._recording = True
 
     def record_in_this_process(self) -> None:
         """In-process pools (solo, threads): deliveries run in the main process, slot 0."""
-        if self.block is not None:
-            self._slot = 0
-            self._recording = True
+        self._slot = 0
+        self._recording = True
 
     # -- counting store calls -------------------------------------------------------------------
 
@@ -118,8 +117,11 @@ class Circuit:
         in-process pool (solo, threads), where the reaper's calls share the process and count
         too. A prefork worker's main process counts nothing; the probes never count.
         """
+        if not self._recording or getattr(self._local, "quiet", False):
+            return
+        metrics.record_store_call(ok, timed_out)
         block = self.block
-        if not self._recording or block is None or getattr(self._local, "quiet", False):
+        if block is None:
             return
         with self._lock:
             block.add(self._slot, failed=not ok, timed_out=timed_out, seconds=seconds)

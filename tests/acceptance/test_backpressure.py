@@ -22,7 +22,9 @@ from celery import Celery
 from sqlalchemy import create_engine, func, select
 
 from tests.acceptance.conftest import new_store_database, start_workers
+from tests.acceptance.test_metrics import scrape, value
 from tests.apps import shop_tables
+from tests.rig.ports import free_port
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess
@@ -107,6 +109,7 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
         "CG_CIRCUIT_MIN_CALLS": "3",
         "CG_CIRCUIT_PROBE_INTERVAL": "0.5",
         "CG_CIRCUIT_HOLD": "1",
+        "CG_METRICS_PORT": str(metrics_port := free_port()),
     }
     with redis_server.client(BROKER_DB) as broker:
         broker.flushdb()
@@ -141,6 +144,15 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
         opened_after = time.monotonic() - stopped_at
         assert "store calls failed" in log()
         wait_until(lambda: consumed_queues(client) == [], timeout=10, what="consumption to stop")
+        # The metrics say so too: circuit open, the worker takes no new work.
+        samples = scrape(metrics_port)
+        assert value(samples, "celery_guard_circuit_state") == 1
+        assert value(samples, "celery_guard_worker_state", state="DRAINING") == 1
+        assert (
+            value(samples, "celery_guard_store_calls_total", result="error")
+            + value(samples, "celery_guard_store_calls_total", result="timeout")
+            >= 3
+        )
 
         # The prefetched deliveries that came due while open were held, then given back.
         wait_until(
@@ -167,6 +179,9 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
             timeout=10,
             what="consumption to resume",
         )
+        samples = scrape(metrics_port)
+        assert value(samples, "celery_guard_circuit_state") == 0
+        assert value(samples, "celery_guard_circuit_opened_total") >= 1
         for name in third:
             client.send_task("shop.record", args=(name,))
 
