@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import psycopg
 from sqlalchemy import (
     BigInteger,
     Connection,
@@ -92,6 +93,8 @@ class SqlStore:
         self._schema_ready = False
         self.dialect_name = make_url(config.store_url).get_backend_name()
         self._observing = threading.local()  # a call inside a call is not counted twice
+        #: id(statement) -> (statement, driver SQL, fixed parameters); statements are built once.
+        self._compiled_cache: dict[int, tuple[Any, str, dict[str, Any]]] = {}
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -192,7 +195,7 @@ class SqlStore:
         }
         if request.external_token is not None:
             parameters["p_external_token"] = request.external_token
-        row = _only_row(self._call(lambda: self._execute_single(statement, parameters))[0])
+        row = _only_row(self._call(lambda: self._execute_hot(statement, parameters))[0])
         record = KeyRecord.from_mapping(row)
         return ClaimResult(
             outcome=_classify(record, request, claim_id),
@@ -218,7 +221,7 @@ class SqlStore:
         if connection is not None:
             rowcount = self._call(lambda: connection.execute(statement, parameters).rowcount)
         else:
-            rowcount = self._call(lambda: self._execute_single(statement, parameters))[1]
+            rowcount = self._call(lambda: self._execute_hot(statement, parameters))[1]
         if rowcount == 1:
             return
         if connection is None:
@@ -231,7 +234,7 @@ class SqlStore:
     def release(self, key: str, token: int, error: str | None) -> bool:
         """Give the key up after an execution that did not complete; False if it was not ours."""
         parameters = {"p_key": key, "p_token": token, "p_error": error}
-        return self._call(lambda: self._execute_single(_RELEASE, parameters))[1] == 1
+        return self._call(lambda: self._execute_hot(_RELEASE, parameters))[1] == 1
 
     def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
         """Extend the leases still held by their tokens, in one statement; return those keys."""
@@ -532,6 +535,71 @@ class SqlStore:
         options = {_SQLITE_READ_ONLY: read_only}
         with engine.connect().execution_options(**options) as connection, connection.begin():
             return _read(connection.execute(statement, parameters))
+
+    def _execute_hot(
+        self, statement: Any, parameters: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The per-delivery statements (claim, complete, release): one autocommitted round trip.
+
+        On PostgreSQL they skip SQLAlchemy's per-execution work (compiling the cache key,
+        building result metadata for 20-odd columns, switching the connection to autocommit
+        and back through the dialect): the SQL is compiled once per statement and runs on the
+        pooled psycopg connection itself, which psycopg prepares server-side after a few
+        executions. That work was about half of celery_guard's cost per task (bench/overhead.py).
+        Errors are re-raised as SQLAlchemy's, so :meth:`_call` treats both paths alike.
+        """
+        if self.dialect_name != "postgresql":
+            return self._execute_single(statement, parameters)
+        engine = self._ready_engine()
+        sql, defaults = self._compiled(engine, statement)
+        values = {**defaults, **parameters}
+        pooled = engine.raw_connection()
+        try:
+            connection: Any = pooled.driver_connection
+            try:
+                connection.autocommit = True
+                with connection.cursor() as cursor:
+                    cursor.execute(sql, values)
+                    rows: list[dict[str, Any]] = []
+                    if cursor.description is not None:
+                        names = [column.name for column in cursor.description]
+                        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+                    rowcount = int(cursor.rowcount)
+            except psycopg.Error as exc:
+                error: Any = exc
+                disconnected = engine.dialect.is_disconnect(error, connection, None)
+                if disconnected:
+                    pooled.invalidate(exc)
+                raise sa_exc.DBAPIError.instance(
+                    sql,
+                    values,
+                    exc,
+                    psycopg.Error,
+                    connection_invalidated=disconnected,
+                    dialect=engine.dialect,
+                ) from exc
+            finally:
+                # The pooled connection goes back as SQLAlchemy lent it, whatever happened:
+                # left in autocommit, a task's own transaction() on it would commit each write.
+                if not connection.closed:
+                    try:
+                        connection.autocommit = False
+                    except psycopg.Error as exc:
+                        pooled.invalidate(exc)
+        finally:
+            pooled.close()
+        return rows, rowcount
+
+    def _compiled(self, engine: Engine, statement: Any) -> tuple[str, dict[str, Any]]:
+        """``statement`` as the driver's SQL and its fixed parameters, compiled once."""
+        cached = self._compiled_cache.get(id(statement))
+        if cached is None or cached[0] is not statement:
+            compiled = statement.compile(dialect=engine.dialect)
+            # The statement's own values (``last_error=None``...); a call's parameters win.
+            defaults = dict(compiled.construct_params(_check=False))
+            cached = (statement, compiled.string, defaults)
+            self._compiled_cache[id(statement)] = cached
+        return cached[1], cached[2]
 
     def _call(self, operation: Callable[[], T]) -> T:
         """Run a store operation, once more after a dropped connection; wrap driver errors."""

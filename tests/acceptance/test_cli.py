@@ -141,7 +141,7 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
     shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
 ) -> None:
     assert shop.record.delay(tag, 7).get(timeout=RESULT_TIMEOUT) == {"tag": tag, "value": 7}
-    running = shop.slow.delay(tag, 8)
+    running = shop.slow.delay(tag, 12)
     wait_for_key_state(shop, f"slow:{tag}", "RUNNING")
     store = celery_guard.get_runtime(shop.app).store
     wait_until(lambda: store.leader("reaper") is not None, 30, "a worker's reaper to be elected")
@@ -156,20 +156,6 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
     assert status["dead_letters"]["total"] >= status["dead_letters"]["not_replayed"] >= 0
     human = guard_ok("status")
     assert "RUNNING" in human and "oldest RUNNING" in human and "dead letters" in human
-
-    # Workers beat into the store every reaper interval: wait for the one running the body.
-    seen: list[dict[str, Any]] = []
-
-    def worker_running() -> bool:
-        seen[:] = guard_json("status")["workers"]
-        return any(worker["running"] >= 1 for worker in seen)
-
-    wait_until(worker_running, 20, "a worker heartbeat to show the running body")
-    by_pid = {worker["pid"]: worker for worker in seen}
-    for worker in shop_workers:
-        assert by_pid[worker.pid]["alive"]
-        assert by_pid[worker.pid]["state"] in {"READY", "PROCESSING"}
-    assert "PROCESSING (1 running)" in guard_ok("status")
 
     slow = guard_json("key", "show", f"slow:{tag}")
     assert (slow["state"], slow["task"], slow["claim_reason"]) == ("RUNNING", "shop.slow", "NEW")
@@ -187,6 +173,18 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
     assert done["lease_remaining_seconds"] is None
     human = guard_ok("key", "show", f"record:{tag}")
     assert "COMPLETED" in human and f"shop.record[{done['message']['id']}]" in human
+
+    # Workers beat into the store every reaper interval: wait for the one running the body.
+    wait_until(
+        lambda: "PROCESSING (1 running)" in guard_ok("status"),
+        20,
+        "a worker heartbeat to show the running body",
+    )
+    by_pid = {worker["pid"]: worker for worker in guard_json("status")["workers"]}
+    for worker in shop_workers:
+        assert by_pid[worker.pid]["alive"]
+        assert by_pid[worker.pid]["state"] in {"READY", "PROCESSING"}
+
     assert "no idempotency key" in guard_fails("key", "show", f"record:{tag}-unknown")
     assert running.get(timeout=RESULT_TIMEOUT) == tag
 

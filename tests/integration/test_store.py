@@ -6,8 +6,9 @@ import multiprocessing
 import threading
 from typing import Any
 
+import psycopg
 import pytest
-from sqlalchemy import Column, Integer, MetaData, Table, event, insert, select
+from sqlalchemy import Column, Integer, MetaData, Table, event, insert, select, text
 
 from celery_guard import Fenced, GuardConfig, StoreError, StoreUnavailable
 from celery_guard.store import ClaimOutcome, ClaimRequest, KeyState, SqlStore
@@ -191,15 +192,49 @@ def test_concurrent_claims_have_exactly_one_winner(store: SqlStore) -> None:
 
 
 def test_a_claim_is_one_statement_on_postgresql(pg_url: str) -> None:
+    """Counted at the driver: the claim and completion skip SQLAlchemy's execution events."""
     store = SqlStore(GuardConfig(store_url=pg_url))
-    store.ensure_schema()
     statements: list[str] = []
-    event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+
+    class CountingCursor(psycopg.Cursor[Any]):
+        def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+            statements.append(str(query))
+            return super().execute(query, *args, **kwargs)
+
+    def count_on(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.cursor_factory = CountingCursor
+
+    event.listen(store.engine, "connect", count_on)
+    store.ensure_schema()
+    statements.clear()
     try:
         token = store.claim(request()).record.fencing_token
         assert len(statements) == 1 and statements[0].lstrip().upper().startswith("INSERT")
         store.complete("k", token, "1", retention=60.0)
         assert len(statements) == 2 and statements[1].lstrip().upper().startswith("UPDATE")
+    finally:
+        store.dispose()
+
+
+def test_a_failed_claim_hands_its_connection_back_out_of_autocommit(pg_url: str) -> None:
+    """The hot path borrows a pooled connection in autocommit; an error must not leak that mode
+    into the next borrower (a task's transaction() would then commit each statement)."""
+    store = SqlStore(GuardConfig(store_url=pg_url))
+    store.ensure_schema()
+    try:
+        with pytest.raises(StoreError, match="too long"):
+            store.claim(request(key="k" * 300))  # past the column: PostgreSQL refuses it
+        assert store.engine.pool.checkedin() == 1, "one connection, so the next one is it"
+        pooled = store.engine.raw_connection()
+        try:
+            assert pooled.driver_connection.autocommit is False
+        finally:
+            pooled.close()
+        with store.connect() as connection:
+            connection.execute(text("CREATE TEMP TABLE t (n int)"))
+            connection.execute(text("INSERT INTO t VALUES (1)"))
+            connection.rollback()
+            assert connection.execute(text("SELECT to_regclass('pg_temp.t')")).scalar() is None
     finally:
         store.dispose()
 
