@@ -553,7 +553,13 @@ class SqlStore:
         engine = self._ready_engine()
         sql, defaults = self._compiled(engine, statement)
         values = {**defaults, **parameters}
-        pooled = engine.raw_connection()
+        try:
+            pooled = engine.raw_connection()
+        except psycopg.Error as exc:
+            # The pool's own connect: SQLAlchemy wraps this only on its Connection path.
+            raise sa_exc.DBAPIError.instance(
+                None, None, exc, psycopg.Error, dialect=engine.dialect
+            ) from exc
         try:
             connection: Any = pooled.driver_connection
             try:

@@ -264,13 +264,27 @@ def test_a_forked_child_builds_its_own_engine(store: SqlStore) -> None:
     assert store.claim(request(key="parent")).outcome is ClaimOutcome.IN_FLIGHT
 
 
-def test_an_unreachable_store_fails_fast_without_leaking_the_password() -> None:
+@pytest.mark.parametrize("create_tables", [True, False])
+def test_an_unreachable_store_fails_fast_without_leaking_the_password(
+    create_tables: bool,
+) -> None:
+    """With create_tables off (or the schema known), the per-delivery calls reach the store
+    first through the hot path: they must fail the same way (not with a raw driver error)."""
     url = f"postgresql://shop:s3cret@127.0.0.1:{free_port()}/shop"
-    store = SqlStore(GuardConfig(store_url=url, store_timeout=1.0))
-    with pytest.raises(StoreUnavailable) as caught:
-        store.claim(request())
-    assert "s3cret" not in str(caught.value)
-    assert "127.0.0.1" in str(caught.value)
+    store = SqlStore(GuardConfig(store_url=url, store_timeout=1.0, create_tables=create_tables))
+    seen: list[object] = []
+    store.observer = lambda seconds, error: seen.append(error)
+    calls = [
+        lambda: store.claim(request()),
+        lambda: store.complete("k", 1, "null", 60.0),
+        lambda: store.release("k", 1, None),
+    ]
+    for call in calls:
+        with pytest.raises(StoreUnavailable) as caught:
+            call()
+        assert "s3cret" not in str(caught.value)
+        assert "127.0.0.1" in str(caught.value)
+    assert len(seen) == 3 and all(isinstance(error, StoreUnavailable) for error in seen)
 
 
 def test_missing_tables_name_the_fix(sqlite_url: str) -> None:
