@@ -7,6 +7,11 @@ from example_project.demo.cluster import LegReport
 # -- printing the audit --------------------------------------------------------------------------
 
 
+def _n(count: float, noun: str, plural: str | None = None) -> str:
+    """``1 key``, ``3 keys``."""
+    return f"{count:.0f} " + (noun if round(count) == 1 else plural or noun + "s")
+
+
 def _money(cents: int) -> str:
     return f"${cents / 100:,.2f}"
 
@@ -83,13 +88,15 @@ def print_audit(guarded: LegReport, plain: LegReport | None) -> bool:
         f"  deferred while in flight {metrics.get('in_flight_deferred', 0):.0f} times a copy "
         "arrived while another worker held the key's lease: re-published for a moment later"
     )
+    retries = _n(metrics.get("retries", 0), "retry", "retries")
     print(
-        f"  retries                  {metrics.get('retries', 0):.0f} retries after the "
-        f"provider's {g.provider['unavailable']} HTTP 503s, delayed with full jitter"
+        f"  retries                  {retries} with full-jitter "
+        f"delays after the provider's HTTP 503s ({g.provider['unavailable']} sent, counting any "
+        "to a worker killed or frozen by then)"
     )
     print(
-        f"  takeovers                {guard.get('takeovers', 0)} keys completed by a new owner "
-        "after the old one's lease ran out (claim_reason TAKEOVER)"
+        f"  takeovers                {_n(metrics.get('takeover_claims', 0), 'claim')} took over "
+        "a key whose owner's lease had run out (metrics; the killed worker's up to its death)"
     )
     print("  each task a fault interrupted, from the fault to its key's COMPLETED (the store):")
     for item in guard.get("recoveries", []):
@@ -105,14 +112,15 @@ def print_audit(guarded: LegReport, plain: LegReport | None) -> bool:
     if metrics.get("orphan_recovery_seconds_count"):
         mean = metrics["orphan_recovery_seconds_sum"] / metrics["orphan_recovery_seconds_count"]
         print(
-            f"  reaper (metrics)         re-published {metrics['orphans_recovered']:.0f} orphaned "
-            f"keys no other copy had claimed, {mean:.1f}s after their lease ran out on average"
+            f"  reaper (metrics)         re-published "
+            f"{_n(metrics['orphans_recovered'], 'orphaned key')} no other copy had claimed, "
+            f"{mean:.1f}s after the lease ran out on average"
         )
     print(
-        f"  stale owners             {metrics.get('fenced', 0):.0f} executions of the resumed "
-        f"worker were fenced (commit refused); the provider refused "
-        f"{g.provider['refused_stale']} stale fencing tokens and answered "
-        f"{g.provider['replayed']} repeated charges with the first charge"
+        f"  stale owners             {_n(metrics.get('fenced', 0), 'execution')} of the resumed "
+        f"worker fenced (commit refused); the provider refused "
+        f"{_n(g.provider['refused_stale'], 'stale fencing token')} and answered "
+        f"{_n(g.provider['replayed'], 'repeated charge')} with the first charge"
     )
     for letter in guard.get("dead_letters", []):
         print(
@@ -132,16 +140,16 @@ def print_audit(guarded: LegReport, plain: LegReport | None) -> bool:
             f"tasks: {p.repeat_executions} charges, reservations and invoices too many"
         )
         print(
-            f"  stuck                    {extra.get('parked_in_unacked', 0)} messages of the "
-            "SIGKILLed worker wait in Redis's unacked set for the 3600 s visibility timeout; "
-            "then they run again"
+            f"  stuck                    {_n(extra.get('parked_in_unacked', 0), 'message')} of "
+            "the SIGKILLed worker, parked in Redis's unacked set until the 3600 s visibility "
+            "timeout; then they run again"
         )
         if p.not_done:
             print(f"  not done                 {', '.join(p.not_done[:8])}")
         if p.charged_not_recorded:
             print(
-                f"  lost writes              {p.charged_not_recorded} orders were charged by "
-                "the provider but have no payment row: the worker died between the two"
+                f"  lost writes              {_n(p.charged_not_recorded, 'order')} charged by "
+                "the provider without a payment row: the worker died between the two"
             )
         print(
             f"  poison pills             requeued after every crash, never dead-lettered: "

@@ -746,6 +746,7 @@ class GuardedLeg(Leg):
                         "attempts": row.attempts,
                         "completed_by": (row.owner or "").split("/")[0],
                         "seconds": (row.completed_at - fault_time) if row.completed_at else None,
+                        "completed_at": (row.completed_at - t0) if row.completed_at else None,
                     }
                 )
         takeovers = [
@@ -760,7 +761,7 @@ class GuardedLeg(Leg):
             {
                 "completions": dict(completions),
                 "repeats": [],
-                "takeovers": [row.completed_at - t0 for row in takeovers if row.completed_at],
+                "recovered": [r["completed_at"] for r in recoveries if r["completed_at"]],
                 "dead_letters": [letter.created_at - t0 for letter in letters],
                 "poison_crashes": crashes,
             }

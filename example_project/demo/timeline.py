@@ -74,7 +74,7 @@ def _panel(ax: Axes, report: Any, seconds: int, title: str) -> None:
             rotation=90,
         )
     markers = (
-        ("takeovers", "^", "#9467bd", 0.86, "completed after a takeover"),
+        ("recovered", "^", "#9467bd", 0.86, "task a fault interrupted, completed"),
         ("dead_letters", "X", "black", 0.78, "dead-lettered (poison pill)"),
         ("poison_crashes", "x", "#8c564b", 0.70, "pool process killed by a poison pill"),
         ("unavailable", "|", "#ff7f0e", 0.62, "provider answered 503 (retried)"),
