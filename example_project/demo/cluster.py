@@ -270,7 +270,6 @@ class Leg:
         self.faults: list[Fault] = []
         self.started_at = 0.0
         self.ended_at = 0.0
-        self.sent_task_ids: dict[str, Send] = {}
         self._reader: Engine | None = None
         self.app: ModuleType | None = None
 
@@ -340,8 +339,8 @@ class Leg:
     def done_count(self) -> int:
         raise NotImplementedError
 
-    def activity(self) -> int:
-        """A number that changes while the cluster still does something."""
+    def activity(self) -> object:
+        """A snapshot that keeps changing while the cluster still does something."""
         raise NotImplementedError
 
     def settled(self, done: int, quiet_for: float) -> bool:
@@ -394,7 +393,8 @@ class Leg:
         deadline = scenario.thaw_at + scenario.send_window + 60
         self.started_at = time.time()
         last_poll = 0.0
-        last_activity, quiet_since = -1, self.started_at
+        last_activity: object = None
+        quiet_since = self.started_at
         try:
             while True:
                 now = time.time()
@@ -436,7 +436,7 @@ class Leg:
         shown = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
         detail = {
             "SIGKILL": f"killed with its pool; interrupted {shown or 'nothing'}",
-            "SIGSTOP": f"frozen (past its lease); interrupted {shown or 'nothing'}",
+            "SIGSTOP": f"frozen with its pool; interrupted {shown or 'nothing'}",
             "SIGCONT": "resumed",
         }[kind]
         progress.say(f"  {at:5.1f}s  {kind} {worker.hostname} (pid {worker.pid}): {detail}")
@@ -644,9 +644,9 @@ class GuardedLeg(Leg):
         states, _ = self._states()
         return int(states.get("COMPLETED", 0)) + int(states.get("DEAD", 0))
 
-    def activity(self) -> int:
+    def activity(self) -> object:
         states, duplicates = self._states()
-        return duplicates + sum(states.values()) * 1000 + int(states.get("COMPLETED", 0))
+        return sorted(states.items()), duplicates
 
     def settled(self, done: int, quiet_for: float) -> bool:
         # Every key completed or dead-lettered, and late copies answered (prevented duplicates).
@@ -821,6 +821,11 @@ class PlainLeg(Leg):
     slug = "plain"
     app_module = "example_project.plain_shop"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Every message's task id, to find the ones that never ran.
+        self.sent_task_ids: dict[str, Send] = {}
+
     def app_env(self) -> dict[str, str]:
         return {
             "PLAIN_SHOP_BROKER_URL": self.broker_url,
@@ -847,7 +852,7 @@ class PlainLeg(Leg):
             for table in (domain.payments, domain.reservations, domain.invoices)
         )
 
-    def activity(self) -> int:
+    def activity(self) -> object:
         with self.reader.connect() as connection:
             return sum(
                 int(connection.execute(select(func.count()).select_from(table)).scalar_one())
