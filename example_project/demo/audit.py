@@ -96,7 +96,7 @@ def print_audit(guarded: LegReport, plain: LegReport | None) -> bool:
     )
     print(
         f"  takeovers                {_n(metrics.get('takeover_claims', 0), 'claim')} took over "
-        "a key whose owner's lease had run out (metrics; the killed worker's up to its death)"
+        "a key whose owner's lease had run out, poison pills' attempts included (metrics)"
     )
     print("  each task a fault interrupted, from the fault to its key's COMPLETED (the store):")
     for item in guard.get("recoveries", []):

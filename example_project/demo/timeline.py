@@ -119,7 +119,8 @@ def draw(path: Path, guarded: Any, plain: Any | None) -> None:
             plain,
             seconds,
             f"plain Celery, same scenario: {plain.charged['twice_or_more']} orders charged twice "
-            f"or more; {len(plain.not_done)} tasks not done; poison pills never stop",
+            f"or more; {(plain.plain or {}).get('parked_in_unacked', 0)} messages stuck with the "
+            "killed worker; poison pills never stop",
         )
     axes[-1][0].set_xlabel("seconds since the first order")
     figure.tight_layout()
