@@ -15,7 +15,7 @@ deps:
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,demo]'
 	@touch $@
 
 venv: $(BIN)/.installed

@@ -6,8 +6,13 @@ from typing import Any
 
 
 def republish(app: Any, message: dict[str, Any]) -> None:
-    """Send the task of a stored message again: same name, arguments, headers, id and routing."""
+    """Send the task of a stored message again: same name, arguments, headers, id and routing.
+
+    The stored ``workflow`` (link, link_error, chain, chord, group and parent ids) goes along,
+    so a recovered or replayed task still hands its result on to the rest of its canvas.
+    """
     options: dict[str, Any] = {"headers": message.get("headers") or {}}
+    options.update(message.get("workflow") or {})
     exchange, routing_key = message.get("exchange"), message.get("routing_key")
     if not exchange and routing_key:
         # Sent to the default exchange: the routing key is the queue (as Celery's retry does).

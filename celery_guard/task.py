@@ -291,18 +291,25 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     ) -> str:
         """What re-publishing this delivery needs, stored with the claim."""
         delivery_info = request.delivery_info or {}
-        return canonical_json(
-            {
-                "task": self.name,
-                "id": request.id,
-                "args": list(args),
-                "kwargs": dict(kwargs),
-                "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
-                "exchange": delivery_info.get("exchange"),
-                "routing_key": delivery_info.get("routing_key"),
-                "priority": delivery_info.get("priority"),
-            }
-        )
+        message = {
+            "task": self.name,
+            "id": request.id,
+            "args": list(args),
+            "kwargs": dict(kwargs),
+            "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
+            "exchange": delivery_info.get("exchange"),
+            "routing_key": delivery_info.get("routing_key"),
+            "priority": delivery_info.get("priority"),
+        }
+        workflow = _workflow_options(request)
+        if workflow:
+            try:
+                return canonical_json({**message, "workflow": workflow})
+            except (TypeError, ValueError):
+                # A callback with arguments JSON cannot hold: re-published without its workflow
+                # (the original message, which has it, still returns after the visibility timeout).
+                pass
+        return canonical_json(message)
 
     def _defer(self, delivery: Delivery, deferred: DeliveryDeferred) -> BaseException:
         """Re-publish this delivery for later and end this one as a retry, losing nothing."""
@@ -327,6 +334,33 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             return rejected
         retry: BaseException = Retry(str(deferred), when=deferred.countdown, sig=signature)
         return retry
+
+
+#: Celery's request fields that carry a task's place in a workflow, by ``send_task`` option name.
+_WORKFLOW_FIELDS = (
+    ("link", "callbacks"),
+    ("link_error", "errbacks"),
+    ("chain", "chain"),
+    ("chord", "chord"),
+    ("group_id", "group"),
+    ("group_index", "group_index"),
+)
+
+
+def _workflow_options(request: Any) -> dict[str, Any]:
+    """What Celery needs to go on after this task (callbacks, the rest of a chain, a chord).
+
+    Empty for a task outside any canvas, whose stored message then stays as it was.
+    """
+    options = {}
+    for option, name in _WORKFLOW_FIELDS:
+        value = getattr(request, name, None)
+        if value is not None and value != []:
+            options[option] = value
+    if options:
+        # Keep the recovered task's place in the canvas's result graph too.
+        options.update(root_id=request.root_id, parent_id=request.parent_id)
+    return options
 
 
 def _due_at(request: Any, headers: dict[str, Any]) -> float | None:

@@ -1,1 +1,2 @@
-"""An example shop whose payments are charged once per order, however often the task arrives."""
+"""An example shop whose orders are charged, reserved and invoiced once, however often the
+tasks arrive (``shop.py``), its plain-Celery twin (``plain_shop.py``) and the chaos demo."""
