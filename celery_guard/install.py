@@ -125,6 +125,14 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
                 logger.error("celery_guard could not prepare the store at worker start: %s", exc)
         runtime.store.dispose()
 
+    def on_task_unknown(
+        sender: Any = None, message: Any = None, name: str = "", id: str = "", **_: Any
+    ) -> None:
+        # Celery has rejected (dropped) the message already: keep it as a dead letter.
+        if getattr(sender, "app", app) is not app or message is None:
+            return
+        runtime.dead_letters.keep_unknown_task(name, id, message)
+
     def on_worker_process_init(**_: Any) -> None:
         runtime.store.reset_after_fork()
 
@@ -134,5 +142,6 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
 
     # weak=False: these closures are only referenced by the signal.
     signals.worker_init.connect(on_worker_init, weak=False)
+    signals.task_unknown.connect(on_task_unknown, weak=False)
     signals.worker_process_init.connect(on_worker_process_init, weak=False)
     signals.worker_process_shutdown.connect(on_worker_process_shutdown, weak=False)

@@ -270,6 +270,18 @@ class SqlStore:
 
         return self._call(write)
 
+    def add_dead_letter(self, letter: DeadLetter) -> DeadLetter:
+        """Record a dead letter no key row owns: a delivery that could not even be claimed
+        (an unknown task, a key the store cannot hold). No key's state changes."""
+        values = {k: v for k, v in letter.as_dict().items() if k not in _GENERATED}
+        statement = (
+            insert(dead_letters)
+            .values(**values, created_at=db_epoch_now())
+            .returning(dead_letters.c.id, dead_letters.c.created_at)
+        )
+        row = _only_row(self._call(lambda: self._execute_single(statement))[0])
+        return replace(letter, id=int(row["id"]), created_at=float(row["created_at"]))
+
     def list_dead_letters(
         self, *, task_name: str | None = None, since: float | None = None, limit: int = 50
     ) -> list[DeadLetter]:
