@@ -28,6 +28,9 @@ SUPPORTED_SCHEMES = ("sqlite", "postgresql")
 #: Default port of the worker's metrics endpoint.
 DEFAULT_METRICS_PORT = 9819
 
+#: Default bound on the JSON celery_guard stores per delivery (message, result): 16 MiB.
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+
 
 @dataclass(frozen=True, kw_only=True)
 class GuardConfig:
@@ -88,6 +91,12 @@ class GuardConfig:
     default_error_class: str = "transient"
     #: Durable broker queue dead letters are also published to (nothing consumes it).
     dead_letter_queue: str = "celery_guard.dead_letters"
+    #: Largest JSON, in bytes, celery_guard writes to the store for one delivery: a task's result
+    #: above it is refused (``ResultTooLarge``, dead-lettered, nothing committed), and a task
+    #: message above it is not stored with the claim (the task still runs, but after a whole
+    #: worker dies only the broker's redelivery brings it back). ``None``: no bound, and a huge
+    #: payload may then outlast ``guard_store_timeout`` on every attempt.
+    max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
     #: Port the worker's main process serves Prometheus metrics on (children's values summed),
     #: or ``None`` for none. Not Flower's 5555 nor celery-exporter's 9808. Several workers on
     #: one host each need their own port; one that cannot bind logs an error and goes on.
@@ -143,6 +152,15 @@ class GuardConfig:
             raise ConfigurationError(
                 f"guard_lease_renew_interval ({self.lease_renew_interval}) must be shorter than "
                 f"guard_lease_ttl ({self.lease_ttl}), or the lease lapses between renewals"
+            )
+        if self.max_payload_bytes is not None and (
+            isinstance(self.max_payload_bytes, bool)
+            or not isinstance(self.max_payload_bytes, int)
+            or self.max_payload_bytes < 1024
+        ):
+            raise ConfigurationError(
+                f"guard_max_payload_bytes must be a number of bytes >= 1024 or None, got "
+                f"{self.max_payload_bytes!r}"
             )
         if self.metrics_port is not None and (
             isinstance(self.metrics_port, bool)

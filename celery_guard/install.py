@@ -61,6 +61,7 @@ class GuardRuntime:
                 if config.liveness_locks
                 else None
             ),
+            max_payload_bytes=config.max_payload_bytes,
         )
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None

@@ -23,7 +23,7 @@ from celery_guard.errors import (
     UnserializableArguments,
 )
 from celery_guard.execution import Execution
-from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater
+from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater, oversize
 from celery_guard.install import get_runtime
 from celery_guard.keys import (
     KeyOption,
@@ -313,6 +313,22 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 raise
             # A task-id key never compares payloads; pickled arguments are fine there.
             fingerprint = None
+        message = (
+            self._republish_message(request, args, kwargs, key, source)
+            if fingerprint is not None
+            else None
+        )
+        size = None if message is None else oversize(message, config.max_payload_bytes)
+        if size is not None:
+            logger.warning(
+                "celery_guard does not store the %d-byte message of %s (id %s) with its claim, "
+                "above guard_max_payload_bytes: if its worker dies, the broker's redelivery "
+                "brings it back, not the reaper",
+                size,
+                self.name,
+                request.id,
+            )
+            message = None
         retention = self.idempotency_ttl
         progress_timeout = self.progress_timeout
         hard_limit = (request.timelimit or (None, None))[0] or self.time_limit
@@ -321,9 +337,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             key=key,
             key_source=source,
             fingerprint=fingerprint,
-            message=self._republish_message(request, args, kwargs, key, source)
-            if fingerprint is not None
-            else None,
+            message=message,
             retention=config.result_ttl if retention is _UNSET else retention,
             hard_deadline=config.hard_deadline or hard_limit or None,
             progress_timeout=(

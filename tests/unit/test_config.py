@@ -43,6 +43,8 @@ def test_postgresql_urls_are_pinned_to_psycopg3() -> None:
         ("guard_result_ttl", True, "guard_result_ttl must be a number"),
         ("guard_create_tables", "yes", "guard_create_tables must be True or False"),
         ("guard_lease_tll", 5, "unknown celery_guard setting 'guard_lease_tll'; did you mean"),
+        ("guard_max_payload_bytes", 100, "guard_max_payload_bytes must be a number of bytes"),
+        ("guard_max_payload_bytes", "16MB", "guard_max_payload_bytes must be a number of bytes"),
     ],
 )
 def test_bad_values_fail_at_install_naming_the_key(key: str, value: object, message: str) -> None:
