@@ -178,6 +178,13 @@ class GuardConfig:
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
 
+    def __repr__(self) -> str:
+        # Never the URLs' passwords: a repr ends up in logs and error reports (frame locals).
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "store_url"}
+        shown["lease_url"] = _hide_password(self.lease_url)
+        text = ", ".join(f"{name}={value!r}" for name, value in shown.items())
+        return f"GuardConfig(store_url={self.safe_store_url()!r}, {text})"
+
     @classmethod
     def from_celery_conf(cls, conf: Mapping[str, Any]) -> GuardConfig:
         """Build from a Celery config; unknown ``guard_*`` keys are refused with a suggestion."""
@@ -219,7 +226,7 @@ def normalize_store_url(url: object) -> str:
     elif isinstance(url, str) and url:
         try:
             parsed = make_url(url)
-        except ArgumentError as exc:
+        except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
             raise ConfigurationError(f"guard_store_url is not a database URL: {exc}") from None
     else:
         raise ConfigurationError(f"guard_store_url must be a URL string, got {url!r}")
@@ -247,12 +254,15 @@ def normalize_store_url(url: object) -> str:
 
 
 def _hide_password(url: object) -> object:
+    """``url`` with the password of its ``user:password@`` part replaced by ``***``, even
+    when the URL is malformed (no ``://``)."""
     if not isinstance(url, str) or "@" not in url:
         return url
-    scheme, _, rest = url.partition("://")
-    credentials, _, host = rest.rpartition("@")
+    scheme, separator, rest = url.partition("://")
+    prefix = scheme + separator if separator else ""
+    credentials, _, host = (rest if separator else url).rpartition("@")
     user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+    return f"{prefix}{user}:***@{host}" if ":" in credentials else url
 
 
 def _check_number(name: str, value: object, *, minimum: float) -> None:

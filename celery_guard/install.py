@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
 from celery import Celery, signals
+from celery.app import utils as celery_app_utils
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guard import metrics
@@ -83,6 +85,7 @@ def install(app: Celery) -> GuardRuntime:
         return existing
     runtime = GuardRuntime(app, GuardConfig.from_celery_conf(app.conf))
     setattr(app, _RUNTIME_ATTRIBUTE, runtime)
+    _mask_in_celery_views()
     metrics.connect_signals()
     signals.before_task_publish.connect(
         _stamp_publish_time, weak=False, dispatch_uid="celery_guard.published_at"
@@ -90,6 +93,25 @@ def install(app: Celery) -> GuardRuntime:
     _connect_worker_signals(app, runtime)
     app.steps["worker"].add(GuardStep)
     return runtime
+
+
+#: Settings whose values may carry a password (``user:password@`` in the URL).
+_SECRET_SETTINGS = "GUARD_STORE_URL|GUARD_LEASE_URL"
+
+
+def _mask_in_celery_views() -> None:
+    """Have Celery mask our URL settings where it shows the configuration.
+
+    ``celery inspect conf`` (and Flower's config page, which asks the workers the same),
+    ``celery report`` and ``app.conf.table()`` mask settings whose names match Celery's
+    ``HIDDEN_SETTINGS`` (KEY, PASS, SECRET, ...), which ``guard_store_url`` and
+    ``guard_lease_url`` do not: their passwords were shown in clear.
+    """
+    hidden = getattr(celery_app_utils, "HIDDEN_SETTINGS", None)
+    if isinstance(hidden, re.Pattern) and _SECRET_SETTINGS not in hidden.pattern:
+        celery_app_utils.HIDDEN_SETTINGS = re.compile(
+            f"{hidden.pattern}|{_SECRET_SETTINGS}", hidden.flags
+        )
 
 
 def get_runtime(app: Celery) -> GuardRuntime:
