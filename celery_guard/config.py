@@ -28,6 +28,9 @@ SUPPORTED_SCHEMES = ("sqlite", "postgresql")
 #: Default port of the worker's metrics endpoint.
 DEFAULT_METRICS_PORT = 9819
 
+#: Default bound on the JSON celery_guard stores per delivery (message, result): 16 MiB.
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+
 
 @dataclass(frozen=True, kw_only=True)
 class GuardConfig:
@@ -88,6 +91,12 @@ class GuardConfig:
     default_error_class: str = "transient"
     #: Durable broker queue dead letters are also published to (nothing consumes it).
     dead_letter_queue: str = "celery_guard.dead_letters"
+    #: Largest JSON, in bytes, celery_guard writes to the store for one delivery: a task's result
+    #: above it is refused (``ResultTooLarge``, dead-lettered, nothing committed), and a task
+    #: message above it is not stored with the claim (the task still runs, but after a whole
+    #: worker dies only the broker's redelivery brings it back). ``None``: no bound, and a huge
+    #: payload may then outlast ``guard_store_timeout`` on every attempt.
+    max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES
     #: Port the worker's main process serves Prometheus metrics on (children's values summed),
     #: or ``None`` for none. Not Flower's 5555 nor celery-exporter's 9808. Several workers on
     #: one host each need their own port; one that cannot bind logs an error and goes on.
@@ -169,6 +178,15 @@ class GuardConfig:
                 f"guard_lease_renew_interval ({self.lease_renew_interval}) must be shorter than "
                 f"guard_lease_ttl ({self.lease_ttl}), or the lease lapses between renewals"
             )
+        if self.max_payload_bytes is not None and (
+            isinstance(self.max_payload_bytes, bool)
+            or not isinstance(self.max_payload_bytes, int)
+            or self.max_payload_bytes < 1024
+        ):
+            raise ConfigurationError(
+                f"guard_max_payload_bytes must be a number of bytes >= 1024 or None, got "
+                f"{self.max_payload_bytes!r}"
+            )
         if self.metrics_port is not None and (
             isinstance(self.metrics_port, bool)
             or not isinstance(self.metrics_port, int)
@@ -204,6 +222,13 @@ class GuardConfig:
             _check_number("guard_adaptive_latency", self.adaptive_latency, minimum=0.001)
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
+
+    def __repr__(self) -> str:
+        # Never the URLs' passwords: a repr ends up in logs and error reports (frame locals).
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "store_url"}
+        shown["lease_url"] = _hide_password(self.lease_url)
+        text = ", ".join(f"{name}={value!r}" for name, value in shown.items())
+        return f"GuardConfig(store_url={self.safe_store_url()!r}, {text})"
 
     @classmethod
     def from_celery_conf(cls, conf: Mapping[str, Any]) -> GuardConfig:
@@ -246,7 +271,7 @@ def normalize_store_url(url: object) -> str:
     elif isinstance(url, str) and url:
         try:
             parsed = make_url(url)
-        except ArgumentError as exc:
+        except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
             raise ConfigurationError(f"guard_store_url is not a database URL: {exc}") from None
     else:
         raise ConfigurationError(f"guard_store_url must be a URL string, got {url!r}")
@@ -274,12 +299,15 @@ def normalize_store_url(url: object) -> str:
 
 
 def _hide_password(url: object) -> object:
+    """``url`` with the password of its ``user:password@`` part replaced by ``***``, even
+    when the URL is malformed (no ``://``)."""
     if not isinstance(url, str) or "@" not in url:
         return url
-    scheme, _, rest = url.partition("://")
-    credentials, _, host = rest.rpartition("@")
+    scheme, separator, rest = url.partition("://")
+    prefix = scheme + separator if separator else ""
+    credentials, _, host = (rest if separator else url).rpartition("@")
     user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+    return f"{prefix}{user}:***@{host}" if ":" in credentials else url
 
 
 def _check_number(name: str, value: object, *, minimum: float) -> None:

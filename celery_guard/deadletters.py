@@ -52,6 +52,60 @@ class DeadLetterSink:
             )
         return stored
 
+    def keep(self, letter: DeadLetter) -> DeadLetter:
+        """Record a dead letter for a delivery that never owned a key, then publish it.
+
+        For messages Celery or celery_guard refuse before any claim (an unknown task name, an
+        idempotency key the store cannot hold): they would otherwise be acknowledged and gone.
+        Replaying one re-publishes its message; no key is revived.
+        """
+        stored = self.store.add_dead_letter(letter)
+        try:
+            self.publish(stored)
+        except Exception as exc:  # the broker is down: the table still has the letter
+            logger.error(
+                "celery_guard dead letter %s for task id %s stored but not published: %s",
+                stored.id,
+                stored.task_id,
+                exc,
+            )
+        return stored
+
+    def keep_unknown_task(self, name: str, task_id: str, message: Any) -> DeadLetter | None:
+        """Keep the message of a task this worker does not know, which Celery discards.
+
+        Deploy the task, then ``celery -A app guard dlq replay ID`` sends it again.
+        """
+        letter = DeadLetter(
+            key=task_id,
+            task_name=name,
+            task_id=task_id,
+            message=_message_of(name, task_id, message),
+            error_class="permanent",
+            error_type="NotRegistered",
+            error=f"task {name!r} is not registered in this worker",
+            traceback=None,
+            reason=(
+                "unknown task: Celery discarded the message; deploy the task to the workers "
+                "of this queue, then replay this dead letter"
+            ),
+            attempts=0,
+        )
+        try:
+            stored = self.keep(letter)
+        except StoreError as exc:
+            logger.error(
+                "celery_guard could not keep the message of unknown task %s: %s", name, exc
+            )
+            return None
+        logger.warning(
+            "celery_guard kept the message of unknown task %s (id %s) as dead letter %s",
+            name,
+            task_id,
+            stored.id,
+        )
+        return stored
+
     def publish(self, letter: DeadLetter) -> None:
         with self.app.producer_or_acquire() as producer:
             producer.publish(
@@ -89,3 +143,45 @@ class DeadLetterSink:
             self.store.unrevive(letter_id)
             raise
         return "replayed", revived
+
+
+#: Message headers a replay must carry (``celery_guard.task``'s key headers).
+_KEY_HEADERS = ("guard_idempotency_key", "guard_key_source")
+
+
+def storable_json(value: Any) -> str | None:
+    """Canonical JSON of ``value`` if every database can store it, else ``None``."""
+    try:
+        text = serialization.dumps(value, canonical=True)
+        text.encode("utf-8")  # lone surrogates pass json.dumps, no database takes them
+    except (TypeError, ValueError):
+        return None
+    return text
+
+
+def _message_of(name: str, task_id: str, message: Any) -> str | None:
+    """The re-publishable JSON of a raw kombu message (task protocol 2 or 1), or ``None``."""
+    try:
+        body = message.decode()
+        headers = dict(message.headers or {})
+        delivery = dict(message.delivery_info or {})
+    except Exception:
+        return None
+    if isinstance(body, (list, tuple)) and len(body) >= 2:
+        args, kwargs = body[0], body[1]
+    elif isinstance(body, dict):
+        args, kwargs = body.get("args"), body.get("kwargs")
+    else:
+        return None
+    return storable_json(
+        {
+            "task": name,
+            "id": task_id,
+            "args": list(args or ()),
+            "kwargs": dict(kwargs or {}),
+            "headers": {k: headers[k] for k in _KEY_HEADERS if headers.get(k) is not None},
+            "exchange": delivery.get("exchange"),
+            "routing_key": delivery.get("routing_key"),
+            "priority": delivery.get("priority"),
+        }
+    )

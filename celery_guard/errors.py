@@ -38,6 +38,11 @@ class ResultNotSerializable(GuardError, TypeError):
     """A guarded task returned a value that cannot be stored as JSON; nothing was committed."""
 
 
+class ResultTooLarge(ResultNotSerializable):
+    """A guarded task's result is larger than ``guard_max_payload_bytes`` as JSON; nothing was
+    committed, and the delivery is dead-lettered (a permanent error)."""
+
+
 class IdempotencyConflict(GuardError):
     """The same idempotency key arrived with a different payload (task or arguments).
 

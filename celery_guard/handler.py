@@ -22,6 +22,7 @@ from celery_guard.errors import (
     GuardError,
     IdempotencyConflict,
     ResultNotSerializable,
+    ResultTooLarge,
     StoreError,
 )
 from celery_guard.execution import Execution
@@ -101,6 +102,14 @@ class DeliveryDeferred(GuardError):
 Body = Callable[[Execution], Any]
 
 
+def oversize(text: str, limit: int | None) -> int | None:
+    """The UTF-8 size of ``text`` if it is above ``limit`` bytes, else ``None``."""
+    if limit is None or len(text) * 4 <= limit:  # UTF-8 takes at most 4 bytes a character
+        return None
+    size = len(text.encode("utf-8", "surrogatepass"))
+    return size if size > limit else None
+
+
 class GuardHandler:
     """Runs one delivery against the store: claim, run the body, complete or release."""
 
@@ -118,8 +127,11 @@ class GuardHandler:
         states: StateTracker | None = None,
         liveness: ProcessLiveness | None = None,
         rng: random.Random | None = None,
+        max_payload_bytes: int | None = None,
     ) -> None:
         self.liveness = liveness
+        #: Largest result (JSON bytes) a completion stores; ``None``: no bound.
+        self.max_payload_bytes = max_payload_bytes
         self.dead_letters = dead_letters
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
@@ -279,6 +291,15 @@ class GuardHandler:
             )
             self._fail(task, delivery, execution, error)
             raise error from exc
+        size = oversize(result, self.max_payload_bytes)
+        if size is not None:
+            execution.abort()
+            error = ResultTooLarge(
+                f"{delivery.task_name} returned {size} bytes of JSON, more than "
+                f"guard_max_payload_bytes ({self.max_payload_bytes}); nothing was committed"
+            )
+            self._fail(task, delivery, execution, error)
+            raise error
         try:
             execution.finish(result, delivery.retention)
         except Fenced:

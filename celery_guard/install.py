@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
 from celery import Celery, signals
+from celery.app import utils as celery_app_utils
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guard import metrics
@@ -63,6 +65,7 @@ class GuardRuntime:
                 if config.liveness_locks
                 else None
             ),
+            max_payload_bytes=config.max_payload_bytes,
         )
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None
@@ -87,6 +90,7 @@ def install(app: Celery) -> GuardRuntime:
         return existing
     runtime = GuardRuntime(app, GuardConfig.from_celery_conf(app.conf))
     setattr(app, _RUNTIME_ATTRIBUTE, runtime)
+    _mask_in_celery_views()
     metrics.connect_signals()
     signals.before_task_publish.connect(
         _stamp_publish_time, weak=False, dispatch_uid="celery_guard.published_at"
@@ -95,6 +99,25 @@ def install(app: Celery) -> GuardRuntime:
     app.steps["worker"].add(GuardStep)
     app.steps["worker"].add(CircuitStep)  # backpressure: the circuit's monitor
     return runtime
+
+
+#: Settings whose values may carry a password (``user:password@`` in the URL).
+_SECRET_SETTINGS = "GUARD_STORE_URL|GUARD_LEASE_URL"
+
+
+def _mask_in_celery_views() -> None:
+    """Have Celery mask our URL settings where it shows the configuration.
+
+    ``celery inspect conf`` (and Flower's config page, which asks the workers the same),
+    ``celery report`` and ``app.conf.table()`` mask settings whose names match Celery's
+    ``HIDDEN_SETTINGS`` (KEY, PASS, SECRET, ...), which ``guard_store_url`` and
+    ``guard_lease_url`` do not: their passwords were shown in clear.
+    """
+    hidden = getattr(celery_app_utils, "HIDDEN_SETTINGS", None)
+    if isinstance(hidden, re.Pattern) and _SECRET_SETTINGS not in hidden.pattern:
+        celery_app_utils.HIDDEN_SETTINGS = re.compile(
+            f"{hidden.pattern}|{_SECRET_SETTINGS}", hidden.flags
+        )
 
 
 def get_runtime(app: Celery) -> GuardRuntime:
@@ -132,6 +155,14 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
         runtime.store.dispose()
         runtime.circuit.on_worker_init()  # backpressure: shared block, before the pool forks
 
+    def on_task_unknown(
+        sender: Any = None, message: Any = None, name: str = "", id: str = "", **_: Any
+    ) -> None:
+        # Celery has rejected (dropped) the message already: keep it as a dead letter.
+        if getattr(sender, "app", app) is not app or message is None:
+            return
+        runtime.dead_letters.keep_unknown_task(name, id, message)
+
     def on_worker_process_init(**_: Any) -> None:
         runtime.store.reset_after_fork()
         runtime.circuit.on_child_start()  # backpressure: count this child's store calls
@@ -142,5 +173,6 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
 
     # weak=False: these closures are only referenced by the signal.
     signals.worker_init.connect(on_worker_init, weak=False)
+    signals.task_unknown.connect(on_task_unknown, weak=False)
     signals.worker_process_init.connect(on_worker_process_init, weak=False)
     signals.worker_process_shutdown.connect(on_worker_process_shutdown, weak=False)

@@ -83,6 +83,16 @@ def validate_key(key: object) -> str:
             f"idempotency key is {len(key)} characters long; the store holds at most "
             f"{MAX_KEY_LENGTH} (key starts {key[:40]!r})"
         )
+    if "\x00" in key:
+        # PostgreSQL text cannot hold NUL: the claim would fail in the worker, every time.
+        raise InvalidIdempotencyKey(f"idempotency key must not contain NUL characters: {key!r}")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidIdempotencyKey(
+            f"idempotency key is not valid Unicode text (it cannot be stored as UTF-8: "
+            f"{exc.reason}): {key!r}"
+        ) from None
     return key
 
 
@@ -108,12 +118,14 @@ def payload_fingerprint(task_name: str, arguments: Mapping[str, Any]) -> str:
     """SHA-256 over the task name and its canonical arguments."""
     try:
         text = canonical_json({"task": task_name, "arguments": arguments})
+        # Lone surrogates pass json.dumps but no database stores them (UnicodeEncodeError).
+        encoded = text.encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise UnserializableArguments(
             f"arguments of {task_name} cannot be fingerprinted, they must be JSON-serializable: "
             f"{exc}"
         ) from exc
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return hashlib.sha256(encoded).hexdigest()
 
 
 def key_from_option(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from datetime import datetime
@@ -12,9 +13,17 @@ from celery._state import _task_stack
 from celery.exceptions import Reject, Retry
 
 from celery_guard.config import GuardConfig, check_ttl_option
-from celery_guard.errors import ConfigurationError, GuardError, InFlightElsewhere, StoreError
+from celery_guard.deadletters import storable_json
+from celery_guard.errors import (
+    ConfigurationError,
+    GuardError,
+    InFlightElsewhere,
+    InvalidIdempotencyKey,
+    StoreError,
+    UnserializableArguments,
+)
 from celery_guard.execution import Execution
-from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater
+from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater, oversize
 from celery_guard.install import get_runtime
 from celery_guard.keys import (
     KeyOption,
@@ -28,6 +37,9 @@ from celery_guard.keys import (
 )
 from celery_guard.policy import ErrorClass, import_classes
 from celery_guard.sampling import PUBLISHED_AT_HEADER
+from celery_guard.store.base import DeadLetter
+
+logger = logging.getLogger("celery_guard")
 
 #: Message headers celery_guard sets; prefixed so they never shadow a Celery ``Context`` field.
 HEADER_KEY = "guard_idempotency_key"
@@ -182,7 +194,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         request = self.request
         if request.called_directly:
             return self._call_directly(runtime.store, args, kwargs)
-        delivery = self._delivery(request, args, kwargs, runtime.config)
+        try:
+            delivery = self._delivery(request, args, kwargs, runtime.config)
+        except (InvalidIdempotencyKey, UnserializableArguments) as exc:
+            if not request.is_eager:
+                self._keep_undeliverable(runtime, request, args, kwargs, exc)
+            raise
         runtime.circuit.before_claim(self, delivery.key)  # backpressure: hold, or give it back
         try:
             return runtime.handler.execute(
@@ -198,6 +215,56 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 countdown=later.delay,
                 max_retries=request.retries + 1,
             ) from None
+
+    def _keep_undeliverable(
+        self, runtime: Any, request: Any, args: Any, kwargs: Any, exc: GuardError
+    ) -> None:
+        """A delivery with no usable key (a producer that skipped ``apply_async``'s checks):
+        it fails, and its message is kept as a dead letter instead of being acknowledged away."""
+        headers = request.headers or {}
+        delivery_info = request.delivery_info or {}
+        message = storable_json(
+            {
+                "task": self.name,
+                "id": request.id,
+                "args": list(args),
+                "kwargs": dict(kwargs),
+                "headers": {
+                    name: value
+                    for name in (HEADER_KEY, HEADER_KEY_SOURCE)
+                    if (value := headers.get(name, getattr(request, name, None))) is not None
+                },
+                "exchange": delivery_info.get("exchange"),
+                "routing_key": delivery_info.get("routing_key"),
+                "priority": delivery_info.get("priority"),
+            }
+        )
+        letter = DeadLetter(
+            key=request.id,
+            task_name=self.name,
+            task_id=request.id,
+            message=message,
+            error_class="permanent",
+            error_type=type(exc).__name__,
+            error=str(exc)[:2000],
+            traceback=None,
+            reason="no usable idempotency key: fix the producer (or the key option), then replay",
+            attempts=0,
+        )
+        try:
+            stored = runtime.dead_letters.keep(letter)
+        except StoreError as store_exc:
+            logger.error(
+                "celery_guard could not keep task %s as a dead letter: %s", request.id, store_exc
+            )
+            return
+        logger.warning(
+            "celery_guard dead-lettered task %s (id %s) as dead letter %s: %s",
+            self.name,
+            request.id,
+            stored.id,
+            exc,
+        )
 
     def _run_body(self, execution: Execution, args: Any, kwargs: Any) -> Any:
         request = self.request
@@ -247,6 +314,22 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 raise
             # A task-id key never compares payloads; pickled arguments are fine there.
             fingerprint = None
+        message = (
+            self._republish_message(request, args, kwargs, key, source)
+            if fingerprint is not None
+            else None
+        )
+        size = None if message is None else oversize(message, config.max_payload_bytes)
+        if size is not None:
+            logger.warning(
+                "celery_guard does not store the %d-byte message of %s (id %s) with its claim, "
+                "above guard_max_payload_bytes: if its worker dies, the broker's redelivery "
+                "brings it back, not the reaper",
+                size,
+                self.name,
+                request.id,
+            )
+            message = None
         retention = self.idempotency_ttl
         progress_timeout = self.progress_timeout
         hard_limit = (request.timelimit or (None, None))[0] or self.time_limit
@@ -255,9 +338,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             key=key,
             key_source=source,
             fingerprint=fingerprint,
-            message=self._republish_message(request, args, kwargs, key, source)
-            if fingerprint is not None
-            else None,
+            message=message,
             retention=config.result_ttl if retention is _UNSET else retention,
             hard_deadline=config.hard_deadline or hard_limit or None,
             progress_timeout=(

@@ -112,7 +112,9 @@ dead_letters = Table(
     Index("ix_celery_guard_dead_letters_task_created", "task_name", "created_at"),
 )
 
-#: Leases that elect one holder across the cluster (the reaper's, for one).
+#: Leases that elect one holder across the cluster (the reaper's, for one). The row named
+#: ``celery_guard.token_floor`` is no lease: its ``term`` is the highest fencing token of any
+#: pruned key row, and a key's new row starts above it.
 leaders = Table(
     "celery_guard_leaders",
     metadata,

@@ -73,6 +73,10 @@ StoreObserver = Callable[[float, StoreError | None], None]
 #: Execution option: this SQLite transaction only reads, so it need not wait for the write lock.
 _SQLITE_READ_ONLY = "celery_guard_read_only"
 
+#: The ``celery_guard_leaders`` row whose ``term`` is the highest fencing token of any pruned
+#: key row: a key's new row starts above it, so tokens rise across a prune too.
+TOKEN_FLOOR = "celery_guard.token_floor"
+
 RUNNING = KeyState.RUNNING.value
 COMPLETED = KeyState.COMPLETED.value
 RELEASED = KeyState.RELEASED.value
@@ -277,6 +281,18 @@ class SqlStore:
 
         return self._call(write)
 
+    def add_dead_letter(self, letter: DeadLetter) -> DeadLetter:
+        """Record a dead letter no key row owns: a delivery that could not even be claimed
+        (an unknown task, a key the store cannot hold). No key's state changes."""
+        values = {k: v for k, v in letter.as_dict().items() if k not in _GENERATED}
+        statement = (
+            insert(dead_letters)
+            .values(**values, created_at=db_epoch_now())
+            .returning(dead_letters.c.id, dead_letters.c.created_at)
+        )
+        row = _only_row(self._call(lambda: self._execute_single(statement))[0])
+        return replace(letter, id=int(row["id"]), created_at=float(row["created_at"]))
+
     def list_dead_letters(
         self, *, task_name: str | None = None, since: float | None = None, limit: int = 50
     ) -> list[DeadLetter]:
@@ -476,16 +492,42 @@ class SqlStore:
         return self._call(lambda: self._execute_single(_EXPIRE_LEASE, parameters))[1] == 1
 
     def prune_completed(self, limit: int) -> int:
-        """Delete up to ``limit`` COMPLETED keys whose retention ended; return how many."""
+        """Delete up to ``limit`` COMPLETED keys whose retention ended; return how many.
+
+        A deleted row takes its fencing tokens with it, and the key's next claim inserts a new
+        row. So the token floor is raised to the highest token of the rows about to go, and only
+        rows at or below the floor are deleted: a new row starts above the floor
+        (:data:`TOKEN_FLOOR`), and an execution still holding a token of the old row stays fenced.
+        """
         now = db_epoch_now()
-        expired = (
+        expired = keys.c.state == COMPLETED, keys.c.expires_at <= now
+        batch = select(keys.c.fencing_token).where(*expired).limit(limit).subquery()
+        highest = select(func.max(batch.c.fencing_token).label("highest"))
+        rows = self._call(lambda: self._execute_single(highest, read_only=True))[0]
+        if _only_row(rows)["highest"] is None:
+            return 0
+        raise_floor = self._upsert(leaders).values(
+            name=TOKEN_FLOOR, holder="", term=int(_only_row(rows)["highest"]), expires_at=0.0
+        )
+        new = raise_floor.excluded
+        statement = raise_floor.on_conflict_do_update(
+            index_elements=[leaders.c.name],
+            set_={"term": case((new.term > leaders.c.term, new.term), else_=leaders.c.term)},
+        ).returning(leaders.c.term)
+        floor = int(_only_row(self._call(lambda: self._execute_single(statement))[0])["term"])
+        doomed = (
             select(keys.c.key)
-            .where(keys.c.state == COMPLETED, keys.c.expires_at <= now)
+            .where(*expired, keys.c.fencing_token <= floor)
             .limit(limit)
             .scalar_subquery()
         )
-        statement = delete(keys).where(keys.c.key.in_(expired))
+        statement = delete(keys).where(keys.c.key.in_(doomed))
         return self._call(lambda: self._execute_single(statement))[1]
+
+    def token_floor(self) -> int:
+        """The highest fencing token of any pruned row (0 when none was pruned)."""
+        leader = self.leader(TOKEN_FLOOR)
+        return 0 if leader is None else leader[1]
 
     def now(self) -> float:
         """The database's clock, in epoch seconds."""
@@ -1085,6 +1127,12 @@ ON CONFLICT (key) DO UPDATE SET (
 RETURNING *, lease_expires_at - {now} AS lease_remaining
 """
 
+#: A new row's first token: above every token of the key's pruned rows (see prune_completed).
+_FIRST_TOKEN = (
+    f"(COALESCE((SELECT f.term FROM celery_guard_leaders AS f WHERE f.name = '{TOKEN_FLOOR}'), 0)"
+    " + 1)"
+)
+
 #: Same payload: the fingerprints match (a row without one accepts any).
 _SAME_PAYLOAD = "COALESCE(k.fingerprint = excluded.fingerprint OR k.fingerprint IS NULL, FALSE)"
 
@@ -1104,14 +1152,17 @@ def _claim_statement(dialect_name: str, check_fingerprint: bool, external_lease:
     if external_lease:
         # The claimant holds the external (Redis) lease, so the previous owner's has lapsed;
         # the row's token must still rise even if the lease store's counter went backwards.
-        first_token = ":p_external_token"
+        first_token = (
+            f"CASE WHEN {_FIRST_TOKEN} > :p_external_token THEN {_FIRST_TOKEN} "
+            "ELSE :p_external_token END"
+        )
         lapsed = "TRUE"
         next_token = (
             "CASE WHEN k.fencing_token + 1 > :p_external_token "
             "THEN k.fencing_token + 1 ELSE :p_external_token END"
         )
     else:
-        first_token = "1"
+        first_token = _FIRST_TOKEN
         lapsed = "COALESCE(k.lease_expires_at <= excluded.updated_at, FALSE)"
         next_token = "k.fencing_token + 1"
     sql = _CLAIM_SQL.strip().format(

@@ -6,6 +6,7 @@ Configuration comes from the environment so the test process and its workers agr
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -54,6 +55,10 @@ app.conf.update(
     guard_circuit_probe_interval=float(os.environ.get("CG_CIRCUIT_PROBE_INTERVAL", "1")),
     guard_circuit_hold=float(os.environ.get("CG_CIRCUIT_HOLD", "5")),
     guard_adaptive_concurrency=os.environ.get("CG_ADAPTIVE_CONCURRENCY", "1") == "1",
+    guard_create_tables=os.environ.get("CG_CREATE_TABLES", "1") != "0",
+    guard_max_payload_bytes=int(os.environ["CG_MAX_PAYLOAD_BYTES"])
+    if os.environ.get("CG_MAX_PAYLOAD_BYTES")
+    else 16 * 1024 * 1024,
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("CG_VISIBILITY_TIMEOUT", "3600")),
         # Sweep for unacknowledged messages every second, so a short visibility timeout set by
@@ -65,6 +70,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     result_expires=600,
 )
+# Raw settings as JSON, for tests that give a worker a value of the wrong type.
+app.conf.update(json.loads(os.environ.get("CG_EXTRA_CONF") or "{}"))
 celery_guard.install(app)
 
 
@@ -216,3 +223,19 @@ def retry_once(self: Any, x: int) -> int:
 def unserializable_result(self: Any, tag: str) -> object:
     write_effect(self, tag)
     return object()
+
+
+@app.task(name="shop.big_result", bind=True, idempotency_key="big:{tag}")
+def big_result(self: Any, tag: str, size: int, padding: str = "") -> str:
+    """Writes its effect and returns ``size`` characters; ``padding`` only makes the message big."""
+    write_effect(self, tag)
+    return "x" * size
+
+
+if os.environ.get("CG_LATE_TASK"):
+    # A task only newer workers know (a rolling deploy): older ones receive it as unknown.
+
+    @app.task(name="shop.late", bind=True)
+    def late(self: Any, tag: str) -> str:
+        write_effect(self, tag)
+        return tag

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import uuid
 
+import pytest
 from celery import Celery
 
+from celery_guard import Fenced
 from celery_guard.lease.backends import RedisLeases, SqlLeases
 from celery_guard.reaper import Reaper
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
@@ -68,6 +70,37 @@ def test_pruning_deletes_completed_keys_past_their_retention_only(store: SqlStor
     assert store.prune_completed(limit=100) == 1
     assert store.get("gone") is None
     assert all(store.get(key) is not None for key in ("kept", "forever", "running"))
+
+
+def test_a_pruned_keys_next_row_starts_above_every_token_the_old_row_issued(
+    store: SqlStore,
+) -> None:
+    """Regression (found by tests/property): pruning deleted a row's tokens with it, so the
+    key's next claim started again at token 1 and a zombie of the old row owned the new one."""
+    zombie = claim(store, "k")  # token 1; its worker freezes
+    assert store.expire_lease("k", zombie)
+    takeover = store.claim(
+        ClaimRequest(
+            key="k",
+            task_name="shop.record",
+            fingerprint="fp",
+            check_fingerprint=True,
+            owner="w2/2",
+            message=None,
+            lease_ttl=30,
+        )
+    )
+    assert takeover.record.fencing_token == 2
+    store.complete("k", 2, "1", retention=0.0)  # guard_result_ttl = 0: only while in flight
+    assert store.prune_completed(limit=100) == 1
+    fresh = claim(store, "k")  # a new call with the same key
+    assert store.renew_leases([("k", zombie)], 30) == set(), "the zombie must stay fenced"
+    with pytest.raises(Fenced):
+        store.complete("k", zombie, '"zombie"', retention=None)
+    assert fresh == 3, "the new row's tokens start above the pruned row's"
+    store.complete("k", fresh, '"fresh"', retention=None)
+    assert store.token_floor() == 2
+    assert claim(store, "other") == 3, "a new key starts above the floor too"
 
 
 def test_a_pass_republishes_an_orphans_stored_message_to_its_queue(

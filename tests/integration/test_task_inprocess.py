@@ -17,6 +17,7 @@ from celery_guard import (
     GuardError,
     InFlightElsewhere,
     ResultNotSerializable,
+    ResultTooLarge,
 )
 
 tables = MetaData()
@@ -126,3 +127,31 @@ def test_an_eager_call_meeting_a_live_lease_says_so(app: Celery) -> None:
     finally:
         release.set()
         holder.join(timeout=30)
+
+
+def test_a_result_above_the_payload_bound_commits_nothing(sqlite_url: str) -> None:
+    bounded = Celery("bounded", broker="memory://", set_as_current=False)
+    bounded.conf.update(
+        guard_store_url=sqlite_url,
+        guard_max_payload_bytes=1024,
+        task_always_eager=True,
+        task_eager_propagates=True,
+    )
+    runtime = celery_guard.install(bounded)
+    tables.create_all(runtime.store.engine)
+    try:
+
+        @bounded.task(base=GuardedTask, bind=True, idempotency_key="big:{n}", shared=False)
+        def big(self: Any, n: int) -> str:
+            with self.guard.transaction() as connection:
+                connection.execute(insert(rows).values(id=n))
+            return "x" * n
+
+        assert big.delay(1022).get() == "x" * 1022, "1024 bytes of JSON: at the bound"
+        with pytest.raises(ResultTooLarge, match=r"1025 bytes of JSON, more than .* \(1024\)"):
+            big.delay(1023)
+        assert row_count(bounded) == 1
+        record = runtime.store.get("big:1023")
+        assert record is not None and record.state == "DEAD"
+    finally:
+        runtime.store.dispose()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import psycopg
 import redis
@@ -283,6 +284,45 @@ class PostgresServer(_ServerBase):
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url_for(name)
 
+    def create_password_role(self, role: str, password: str, dbname: str) -> str:
+        """A login role that must give ``password`` over TCP (SCRAM; everyone else keeps trust
+        auth), owning a new database ``dbname``; returns its SQLAlchemy URL with the password."""
+        with self._connect_admin() as conn:
+            conn.execute(
+                sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                    sql.Identifier(role), sql.Literal(password)
+                )
+            )
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} OWNER {}").format(
+                    sql.Identifier(dbname), sql.Identifier(role)
+                )
+            )
+            row = conn.execute("SHOW hba_file").fetchone()
+            assert row is not None
+            hba = Path(row[0])
+            rule = f"host all {role} 127.0.0.1/32 scram-sha-256\n"
+            hba.write_text(rule + hba.read_text())  # first match wins: before the trust lines
+            conn.execute("SELECT pg_reload_conf()")
+        url = (
+            f"postgresql+psycopg://{role}:{quote(password, safe='')}@127.0.0.1:{self._port}/"
+            f"{dbname}"
+        )
+
+        def password_required() -> bool:
+            # The reload is asynchronous: wait until a wrong password is refused.
+            try:
+                psycopg.connect(
+                    f"host=127.0.0.1 port={self._port} dbname={dbname} user={role} password=wrong",
+                    connect_timeout=2,
+                ).close()
+            except psycopg.OperationalError:
+                return True
+            return False
+
+        procs.wait_until(password_required, 10, f"PostgreSQL to ask {role} for a password")
+        return url
+
     def stop(self, keep_data: bool = False) -> None:
         """Fast shutdown (SIGINT), SIGKILL after 15 s; removes the data dir unless told not to."""
         self._shutdown(signal.SIGINT, 15)
@@ -306,22 +346,35 @@ class RedisServer(_ServerBase):
     name = "redis"
 
     def __init__(
-        self, port: int | None = None, start_timeout: float = 30, persistent: bool = False
+        self,
+        port: int | None = None,
+        start_timeout: float = 30,
+        persistent: bool = False,
+        password: str | None = None,
     ) -> None:
         super().__init__(port)
         self.start_timeout = start_timeout
         self.persistent = persistent
+        #: With a password the server runs with ``requirepass`` and its URLs carry it.
+        self.password = password
 
     @property
     def url(self) -> str:
         return self.url_for(0)
 
     def url_for(self, db: int) -> str:
-        return f"redis://127.0.0.1:{self._port}/{db}"
+        auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
+        return f"redis://{auth}127.0.0.1:{self._port}/{db}"
 
     def client(self, db: int = 0) -> redis.Redis:
         """A new redis-py client; the caller must close it (``with server.client() as r``)."""
-        return redis.Redis(host="127.0.0.1", port=self._port, db=db, socket_connect_timeout=2)
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self._port,
+            db=db,
+            password=self.password,
+            socket_connect_timeout=2,
+        )
 
     def start(self) -> None:
         if self._proc is not None:
@@ -332,6 +385,8 @@ class RedisServer(_ServerBase):
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else []
         argv += ["--save", "", "--appendonly", "no", *persistence, "--dir", str(self._tmp)]
         argv += ["--daemonize", "no", "--protected-mode", "no"]
+        if self.password is not None:
+            argv += ["--requirepass", self.password]
         self._spawn(argv, cwd=self._tmp)
 
         def pings() -> bool:

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import psycopg
 import pytest
+import redis
 import sqlalchemy as sa
 
 from . import procs
@@ -110,6 +111,36 @@ def test_redis_set_get_and_restart(redis_server: RedisServer) -> None:
     redis_server.flushall()
     with redis_server.client() as r:
         assert r.dbsize() == 0
+
+
+def test_postgres_role_that_must_give_its_password(pg: PostgresServer) -> None:
+    url = pg.create_password_role("rig_secret", "p@ss/w:rd", "rig_secret_db")
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT current_user")).scalar() == "rig_secret"
+    finally:
+        engine.dispose()
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(
+            f"host=127.0.0.1 port={pg.port} dbname=rig_secret_db user=rig_secret password=x",
+            connect_timeout=5,
+        )
+
+
+def test_redis_with_a_password() -> None:
+    with RedisServer(password="p@ss/w:rd") as server:
+        assert "p%40ss%2Fw%3Ard@" in server.url
+        with redis.Redis.from_url(server.url) as client:
+            assert client.ping()
+        with (
+            redis.Redis(host="127.0.0.1", port=server.port) as anonymous,
+            pytest.raises(redis.AuthenticationError),
+        ):
+            anonymous.ping()
+        server.restart()
+        with server.client() as client:
+            assert client.ping(), "the password survives a restart"
 
 
 def test_server_start_failure_reports_log(redis_server: RedisServer) -> None:

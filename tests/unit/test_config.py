@@ -36,6 +36,7 @@ def test_postgresql_urls_are_pinned_to_psycopg3() -> None:
         ("guard_store_url", "postgresql+psycopg2://u@127.0.0.1/db", "psycopg 3"),
         ("guard_store_url", "not a url", "guard_store_url is not a database URL"),
         ("guard_store_url", 42, "guard_store_url must be a URL string"),
+        ("guard_store_url", "postgresql://u@h:port/db", "guard_store_url is not a database URL"),
         ("guard_lease_ttl", "10", "guard_lease_ttl must be a number"),
         ("guard_lease_ttl", 0, "guard_lease_ttl must be a finite number >= 0.1"),
         ("guard_store_timeout", float("nan"), "guard_store_timeout must be a finite number"),
@@ -43,6 +44,8 @@ def test_postgresql_urls_are_pinned_to_psycopg3() -> None:
         ("guard_result_ttl", True, "guard_result_ttl must be a number"),
         ("guard_create_tables", "yes", "guard_create_tables must be True or False"),
         ("guard_lease_tll", 5, "unknown celery_guard setting 'guard_lease_tll'; did you mean"),
+        ("guard_max_payload_bytes", 100, "guard_max_payload_bytes must be a number of bytes"),
+        ("guard_max_payload_bytes", "16MB", "guard_max_payload_bytes must be a number of bytes"),
     ],
 )
 def test_bad_values_fail_at_install_naming_the_key(key: str, value: object, message: str) -> None:
@@ -107,3 +110,22 @@ def test_bad_circuit_values_fail_at_install_naming_the_key(
     app = make_app(**{key: value})
     with pytest.raises(ConfigurationError, match=message):
         celery_guard.install(app)
+
+
+def test_passwords_never_show_in_reprs_errors_or_celerys_config_views() -> None:
+    config = GuardConfig(
+        store_url="postgresql://shop:s3cret@127.0.0.1/shop", lease_url="redis://:s3cret@h:1/0"
+    )
+    assert "s3cret" not in repr(config) and "shop:***@" in repr(config)
+    with pytest.raises(ConfigurationError) as caught:
+        GuardConfig(lease_url="redis//:s3cret@127.0.0.1:1/0")  # malformed: no "://"
+    assert "s3cret" not in str(caught.value) and ":***@127.0.0.1" in str(caught.value)
+    app = make_app(
+        guard_store_url="postgresql://shop:s3cret@127.0.0.1/shop",
+        guard_lease_url="redis://:s3cret@127.0.0.1:1/0",
+    )
+    celery_guard.install(app)
+    # What `celery inspect conf`, `celery report` and Flower show.
+    table = app.conf.table(with_defaults=False)
+    assert table["guard_store_url"] == table["guard_lease_url"] == "********"
+    assert "s3cret" not in app.conf.humanize(with_defaults=False)

@@ -73,6 +73,23 @@ def test_validate_key_refuses_keys_longer_than_the_column() -> None:
         validate_key("k" * (MAX_KEY_LENGTH + 1))
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [("order:\x00:1", "must not contain NUL"), ("order:\ud800", "not valid Unicode text")],
+)
+def test_validate_key_refuses_what_the_store_cannot_hold(bad: str, message: str) -> None:
+    """PostgreSQL refuses NUL in text and nothing encodes a lone surrogate as UTF-8: the
+    worker's claim would fail on every delivery, so the caller hears of it instead."""
+    with pytest.raises(InvalidIdempotencyKey, match=message):
+        validate_key(bad)
+    assert validate_key("订单:😀") == "订单:😀"
+
+
+def test_arguments_that_cannot_be_utf8_are_unserializable() -> None:
+    with pytest.raises(UnserializableArguments, match="surrogates not allowed"):
+        payload_fingerprint("t", {"a": "\ud800"})
+
+
 def test_fingerprint_covers_dates_and_uuids_but_refuses_arbitrary_objects() -> None:
     when = datetime.datetime(2026, 1, 2, 3, 4, 5)
     ident = uuid.UUID(int=5)
