@@ -475,7 +475,7 @@ def cell(run: FaultRun) -> str:
     if refused:
         parts.append("; ".join(sorted(set(refused))))
     parts.append(f"{run.starts} bod{'y' if run.starts == 1 else 'ies'} started")
-    parts.append(f"{run.ended} deliveries ended")
+    parts.append(f"{run.ended} deliver{'y' if run.ended == 1 else 'ies'} ended")
     if run.fault in ("c", "c2", "d"):
         parts.append(f"killed/frozen run's own rows {run.victim_rows}")
     if not run.settled:
@@ -539,9 +539,10 @@ def render(
                 )
         out += [
             "",
-            "The peers' whole cost in the worker is one Redis `DEL` per task (the lock they took "
-            "at publish); GuardedTask's is a claim and a completion in PostgreSQL. Neither peer "
-            "does anything for a message delivered twice (below).",
+            "In the worker the peers only compute the task's lock key and `DEL` it in Redis "
+            "when the task ends (the lock they took at publish, whose cost is not in this "
+            "window); GuardedTask claims and completes the key in PostgreSQL. Neither peer "
+            "looks at a message the broker delivers twice (below).",
             "",
         ]
     if faults:
@@ -577,7 +578,12 @@ def fault_section(
         "worker's message happens within the run; kombu's default is 3600 s, swept about every "
         "100 s, so where a time below says ≈ that timeout, read an hour in a default setup.",
         "",
-        "Double effect prevented? (1 row for the order: yes; more: no.)",
+        "Double effect prevented? (1 row for the order: yes; more: no.) *Sends accepted*: "
+        "what the task's `apply_async` answered; *bodies started*: executions of the body "
+        "(worker stamp); *deliveries ended*: `task_postrun` in a pool process, body run or not "
+        "(each deferral of GuardedTask's in-flight duplicate counts; a killed run never ends); "
+        "*killed/frozen run's own rows*: rows committed by the execution that was killed or "
+        "frozen.",
         "",
         "| Fault | " + " | ".join(LABELS[v] for v in variants) + " |",
         "|---|" + "---|" * len(variants),
@@ -620,7 +626,7 @@ def fault_section(
                 f"{fmt(run.first_effect)} | {fmt(run.last_effect)} | {run.effects} | {lock} | "
                 f"{fmt(run.lock_released)} | {'; '.join(notes)} |"
             )
-    out += ["", *fault_reading(args, by), ""]
+    out += ["", *fault_reading(by), ""]
     levels = [line for _, line in findings.errors if "Traceback" in line]
     out.append(
         f"Worker logs: {len(levels)} Traceback and "
@@ -670,7 +676,7 @@ READING = {
 }
 
 
-def fault_reading(args: argparse.Namespace, by: dict[tuple[str, str], FaultRun]) -> list[str]:
+def fault_reading(by: dict[tuple[str, str], FaultRun]) -> list[str]:
     """One bullet per fault: the mechanism when the counts are the expected ones, else a flag."""
     out = []
     for fault, expected in EXPECTED.items():
