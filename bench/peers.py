@@ -375,7 +375,8 @@ def run_fault(rig: FaultRig, fault: str, variant: str, findings: LogFindings) ->
                 watch.settle(args.cap)
             elif fault == "b":
                 run.sends.append(rig.send(variant, tag, queue))
-                watch.watch(args.cap, lambda: bool(watch.ended()) and watch.idle())
+                if not watch.watch(args.cap, lambda: bool(watch.ended()) and watch.idle()):
+                    run.notes.append(f"the first send had not ended within {args.cap:.0f} s")
                 run.sends.append(rig.send(variant, tag, queue))
                 watch.fault()
                 watch.settle(args.cap)
@@ -659,7 +660,9 @@ READING = {
     "`guard_result_ttl` (7 days by default) and returns the stored result.",
     "c": "The killed run had committed its row. The broker redelivers its message once the "
     "visibility timeout has passed since the delivery, and the worker runs it without looking "
-    "at any lock, so the peers write twice, as plain Celery does. GuardedTask's row was in the "
+    "at any lock, so the peers write twice, as plain Celery does: the lock the killed worker "
+    "left did not hold the redelivery back (it still had most of its timeout left; the "
+    "redelivered run deleted it when it ended). GuardedTask's row was in the "
     "guard transaction, uncommitted, and died with the process; the reaper saw the owner dead "
     "(its liveness lock gone) and re-published the key, and the broker's later redelivery "
     "found it COMPLETED.",
