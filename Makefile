@@ -31,9 +31,15 @@ test: deps venv lint
 demo: deps venv
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
 
-bench: deps venv
-	$(BIN)/python bench/overhead.py
-	$(BIN)/python bench/recovery.py
+# The benchmarks' peers (celery-once, celery-singleton) come with the bench extra.
+$(BIN)/.bench-installed: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	@touch $@
+
+# Every benchmark in bench/, then the header of docs/benchmarks.md (about 25 minutes on a quiet
+# 2-core machine). BENCH_ARGS=--smoke: small sizes, to check the pipeline.
+bench: deps venv $(BIN)/.bench-installed
+	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache build *.egg-info

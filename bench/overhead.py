@@ -132,7 +132,7 @@ def run_once(
             raise RuntimeError(f"{queue}: {broker.llen(queue)} messages queued, not {args.tasks}")
 
         worker = WorkerProcess(
-            "bench.overhead_app",
+            bench.__name__,  # bench.overhead_app, or bench.peers_app for bench/peers.py
             env=env,
             cwd=ROOT,
             concurrency=args.concurrency,

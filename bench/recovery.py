@@ -265,12 +265,17 @@ def log_time(line: str) -> float | None:
 
 @contextmanager
 def workers_running(
-    count: int, env: dict[str, str], findings: LogFindings, where: str, **options: Any
+    count: int,
+    env: dict[str, str],
+    findings: LogFindings,
+    where: str,
+    app: str = APP,
+    **options: Any,
 ) -> Iterator[list[WorkerProcess]]:
     """Start ``count`` workers, wait until all are ready; stop each by PID and scan its log."""
     workers = [
         WorkerProcess(
-            APP, env=env, cwd=ROOT, hostname=f"{where}-w{i}-{uuid.uuid4().hex[:4]}@%h", **options
+            app, env=env, cwd=ROOT, hostname=f"{where}-w{i}-{uuid.uuid4().hex[:4]}@%h", **options
         )
         for i in range(1, count + 1)
     ]
