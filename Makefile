@@ -33,7 +33,7 @@ demo: deps venv
 
 # The benchmarks' peers (celery-once, celery-singleton) come with the bench extra.
 $(BIN)/.bench-installed: $(BIN)/.installed
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet -e '.[dev,demo,bench]'
 	@touch $@
 
 # Every benchmark in bench/, then the header of docs/benchmarks.md (about 25 minutes on a quiet
