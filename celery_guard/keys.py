@@ -9,6 +9,7 @@ redeliveries, retries and re-publishes share it, while calls a user repeats on p
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import inspect
 import string
@@ -96,12 +97,18 @@ def validate_key(key: object) -> str:
     return key
 
 
+@functools.lru_cache(maxsize=1024)
+def _signature(fun: Callable[..., Any]) -> inspect.Signature:
+    # Computing a signature costs more than the claim's round trip; a task's never changes.
+    return inspect.signature(fun)
+
+
 def bind_arguments(
     fun: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Arguments by parameter name, defaults applied, so positional and keyword calls agree."""
     try:
-        bound = inspect.signature(fun).bind(*args, **kwargs)
+        bound = _signature(fun).bind(*args, **kwargs)
     except (TypeError, ValueError):
         # Arguments that do not fit the signature fail in the body anyway; fingerprint them as sent.
         return {"args": list(args), "kwargs": dict(kwargs)}

@@ -99,6 +99,7 @@ class SqlStore:
         self._observing = threading.local()  # a call inside a call is not counted twice
         #: id(statement) -> (statement, driver SQL, fixed parameters); statements are built once.
         self._compiled_cache: dict[int, tuple[Any, str, dict[str, Any]]] = {}
+        self._names_cache: dict[int, list[str]] = {}
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -609,8 +610,8 @@ class SqlStore:
                 with connection.cursor() as cursor:
                     cursor.execute(sql, values)
                     rows: list[dict[str, Any]] = []
-                    if cursor.description is not None:
-                        names = [column.name for column in cursor.description]
+                    names = self._column_names(statement, cursor)
+                    if names is not None:
                         rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
                     rowcount = int(cursor.rowcount)
             except psycopg.Error as exc:
@@ -637,6 +638,18 @@ class SqlStore:
         finally:
             pooled.close()
         return rows, rowcount
+
+    def _column_names(self, statement: Any, cursor: Any) -> list[str] | None:
+        """The result's column names, read once per statement: psycopg builds a Column object
+        per column on every ``description`` access (21 of them for the claim's RETURNING)."""
+        result = cursor.pgresult
+        if result is None or result.nfields == 0:
+            return None
+        names = self._names_cache.get(id(statement))
+        if names is None or len(names) != result.nfields:
+            names = [column.name for column in cursor.description]
+            self._names_cache[id(statement)] = names
+        return names
 
     def _compiled(self, engine: Engine, statement: Any) -> tuple[str, dict[str, Any]]:
         """``statement`` as the driver's SQL and its fixed parameters, compiled once."""
