@@ -62,6 +62,7 @@ from celery_guard.store.schema import (
     metadata,
     workers,
 )
+from celery_guard.store.watchdog import CallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class SqlStore:
         self._observing = threading.local()  # a call inside a call is not counted twice
         #: id(statement) -> (statement, driver SQL, fixed parameters); statements are built once.
         self._compiled_cache: dict[int, tuple[Any, str, dict[str, Any]]] = {}
+        #: PostgreSQL: closes a call's connection when the server never answers (watchdog.py).
+        self._watchdog = CallWatchdog(config.store_timeout + max(1.0, config.store_timeout / 2))
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -155,7 +158,9 @@ class SqlStore:
             "tcp_user_timeout": millis,
             "application_name": "celery_guard",
         }
-        return create_engine(url, connect_args=connect_args, pool_timeout=timeout)
+        engine = create_engine(url, connect_args=connect_args, pool_timeout=timeout)
+        self._watchdog.install(engine)
+        return engine
 
     def ensure_schema(self) -> None:
         """Create the tables if they are missing (when ``guard_create_tables`` is on)."""
@@ -505,7 +510,8 @@ class SqlStore:
 
         def commit() -> None:
             try:
-                transaction.commit()
+                with self._watchdog.watching(_dbapi_connection(transaction)):
+                    transaction.commit()
             except sa_exc.DBAPIError as exc:
                 raise _wrap(exc, self.config) from exc
 
@@ -564,7 +570,7 @@ class SqlStore:
             connection: Any = pooled.driver_connection
             try:
                 connection.autocommit = True
-                with connection.cursor() as cursor:
+                with connection.cursor() as cursor, self._watchdog.watching(connection):
                     cursor.execute(sql, values)
                     rows: list[dict[str, Any]] = []
                     if cursor.description is not None:
@@ -871,6 +877,14 @@ class SqlStore:
                 return DeadLetter.from_mapping(row._mapping)
 
         return self._call(write)
+
+
+def _dbapi_connection(transaction: RootTransaction) -> Any:
+    """The driver's connection under ``transaction``, or None when there is none to watch."""
+    try:
+        return transaction.connection.connection.dbapi_connection
+    except sa_exc.SQLAlchemyError:
+        return None
 
 
 def _tell(observer: StoreObserver, seconds: float, error: StoreError | None) -> None:

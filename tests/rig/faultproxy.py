@@ -317,6 +317,11 @@ class FaultProxy:
         for link in list(self._links):
             link.abort(rst=False)
         self._links.clear()
+        current = asyncio.current_task()
+        pending = [task for task in asyncio.all_tasks() if task is not current]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self._accepting:
@@ -350,6 +355,8 @@ class FaultProxy:
                 loop.create_task(self._pump(link, up_reader, writer, self._down, False)),
             ]
             await asyncio.gather(*link.tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            pass  # the proxy stops: end quietly (asyncio's stream callback reads the outcome)
         finally:
             link.abort(rst=False)
             self._links.discard(link)
