@@ -1,0 +1,196 @@
+"""Partial failures (seed 004): a worker alive but cut off, slow or flapping; servers restarted.
+
+Real workers, a Redis broker and PostgreSQL; the worker under test reaches its server through
+:class:`tests.rig.faultproxy.FaultProxy`, the others connect directly. Each test has its own
+queue and store database, and short TTLs. ``shop.gated`` lets a test decide when each owner of
+a key (by fencing token) finishes its body.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import func, select
+
+from celery_guard import GuardConfig
+from celery_guard.store import KeyRecord
+from celery_guard.store.sql import SqlStore
+from tests.acceptance.conftest import new_store_database, start_workers
+from tests.apps import shop_tables
+from tests.rig.faultproxy import FaultProxy
+from tests.rig.procs import wait_until
+from tests.rig.servers import PostgresServer, RedisServer
+from tests.rig.workers import WorkerProcess
+
+pytestmark = pytest.mark.workers
+
+LEASE_TTL = 2.0
+REAPER_INTERVAL = 0.5
+BROKER_DB, RESULT_DB = 12, 13
+
+
+def via(url: str, server_port: int, proxy: FaultProxy) -> str:
+    """``url`` with the server's port replaced by the proxy's."""
+    needle = f"127.0.0.1:{server_port}"
+    assert needle in url, url
+    return url.replace(needle, f"127.0.0.1:{proxy.port}")
+
+
+@dataclass
+class Scene:
+    """A test's own queue, store database, gates and proxies; workers started by the test."""
+
+    env: dict[str, str]
+    queue: str
+    client: Celery
+    store: SqlStore
+    gates: Path
+    workers: list[WorkerProcess] = field(default_factory=list)
+    proxies: list[FaultProxy] = field(default_factory=list)
+
+    def start(self, count: int = 1, concurrency: int = 1, **overrides: str) -> list[WorkerProcess]:
+        started = start_workers(
+            count, {**self.env, **overrides}, queues=self.queue, concurrency=concurrency
+        )
+        self.workers.extend(started)
+        return started
+
+    def proxy(self, server_port: int) -> FaultProxy:
+        proxy = FaultProxy(server_port).start()
+        self.proxies.append(proxy)
+        return proxy
+
+    def send(self, name: str, *args: object, **options: object):  # type: ignore[no-untyped-def]
+        return self.client.send_task(name, args=args, queue=self.queue, **options)
+
+    def open_gate(self, tag: str, token: int) -> None:
+        (self.gates / f"{tag}.{token}").touch()
+
+    def effects(self, tag: str) -> list[dict[str, Any]]:
+        with self.store.engine.connect() as connection:
+            rows = connection.execute(
+                select(shop_tables.effects).where(shop_tables.effects.c.tag == tag)
+            )
+            return [dict(row._mapping) for row in rows]
+
+    def effect_counts(self, prefix: str) -> dict[str, int]:
+        effects = shop_tables.effects
+        with self.store.engine.connect() as connection:
+            rows = connection.execute(
+                select(effects.c.tag, func.count())
+                .where(effects.c.tag.like(f"{prefix}%"))
+                .group_by(effects.c.tag)
+            )
+            return {tag: int(count) for tag, count in rows}
+
+    def record(self, key: str) -> KeyRecord | None:
+        return self.store.get(key)
+
+    def wait_record(
+        self, key: str, check: Callable[[KeyRecord], bool], what: str, timeout: float = 60
+    ) -> KeyRecord:
+        found: list[KeyRecord] = []
+
+        def reached() -> bool:
+            record = self.store.get(key)
+            if record is not None and check(record):
+                found.append(record)
+                return True
+            return False
+
+        wait_until(reached, timeout, f"{key}: {what}")
+        return found[-1]
+
+    def worker_of(self, owner: str | None) -> WorkerProcess:
+        assert owner, "no owner"
+        pid = int(owner.rsplit("/", 1)[1])
+        for worker in self.workers:
+            if pid == worker.pid or pid in worker.child_pids():
+                return worker
+        raise AssertionError(f"no worker runs pid {pid}")
+
+
+def make_scene(
+    store_url: str, redis_server: RedisServer, gates: Path, **env: str
+) -> Iterator[Scene]:
+    full_env = {
+        "CG_BROKER_URL": redis_server.url_for(BROKER_DB),
+        "CG_RESULT_URL": redis_server.url_for(RESULT_DB),
+        "CG_STORE_URL": store_url,
+        "CG_LEASE_TTL": str(LEASE_TTL),
+        "CG_REAPER_INTERVAL": str(REAPER_INTERVAL),
+        "CG_STORE_TIMEOUT": "1",
+        "CG_MARKER_DIR": str(gates),
+        **env,
+    }
+    client = Celery(
+        "partitions-client", broker=full_env["CG_BROKER_URL"], backend=full_env["CG_RESULT_URL"]
+    )
+    store = SqlStore(GuardConfig(store_url=store_url))
+    scene = Scene(full_env, f"part-{uuid.uuid4().hex[:8]}", client, store, gates)
+    try:
+        yield scene
+    finally:
+        for worker in scene.workers:
+            worker.kill()
+        for proxy in scene.proxies:
+            proxy.stop()
+        store.dispose()
+        client.close()
+
+
+@pytest.fixture
+def scene(postgres: PostgresServer, redis_server: RedisServer, tmp_path: Path) -> Iterator[Scene]:
+    yield from make_scene(new_store_database(postgres, "part"), redis_server, tmp_path)
+
+
+@pytest.mark.parametrize("fault", ["blackhole", "cut"])
+def test_a_worker_cut_off_from_the_store_is_taken_over_and_its_commit_refused(
+    scene: Scene, postgres: PostgresServer, fault: str
+) -> None:
+    """One worker loses PostgreSQL mid-task for longer than the TTL (``blackhole``: its
+    connections hang; ``cut``: refused and reset), then gets it back. Another worker, connected
+    directly, takes the key over; the cut-off worker's late commit is refused; one effect.
+    """
+    proxy = scene.proxy(postgres.port)
+    (cut_off,) = scene.start(1, CG_STORE_URL=via(scene.env["CG_STORE_URL"], postgres.port, proxy))
+    tag = uuid.uuid4().hex[:12]
+    key = f"gated:{tag}"
+    result = scene.send("shop.gated", tag)
+    first = scene.wait_record(key, lambda r: r.state == "RUNNING", "claimed")
+    assert scene.worker_of(first.owner) is cut_off and first.fencing_token == 1
+    assert proxy.stats.accepted > 0, "the worker reaches PostgreSQL through the proxy"
+    (direct,) = scene.start(1)
+
+    getattr(proxy, fault)()
+    cut_at = time.monotonic()
+    second = scene.wait_record(
+        key, lambda r: r.fencing_token == 2 and r.state == "RUNNING", "taken over", timeout=60
+    )
+    taken_over_after = time.monotonic() - cut_at
+    assert second.claim_reason == "TAKEOVER"
+    assert scene.worker_of(second.owner) is direct
+    # Past the TTL without a renewal, the cut-off worker knows it lost the lease.
+    wait_until(lambda: "lease lost" in cut_off.log_text(), 30, "the cut-off worker to notice")
+
+    proxy.heal()
+    scene.open_gate(tag, 2)
+    done = scene.wait_record(key, lambda r: r.state == "COMPLETED", "completed", timeout=60)
+    assert done.fencing_token == 2
+    scene.open_gate(tag, 1)  # the cut-off owner finishes its body now, store reachable again
+    assert result.get(timeout=60)["fencing_token"] == 2
+    wait_until(
+        lambda: "completion refused (fenced)" in cut_off.log_text(),
+        timeout=30,
+        what="the cut-off worker's late commit to be refused",
+    )
+    effects = scene.effects(tag)
+    assert [row["fencing_token"] for row in effects] == [2], effects
+    assert taken_over_after < 60
