@@ -194,3 +194,35 @@ def test_a_worker_cut_off_from_the_store_is_taken_over_and_its_commit_refused(
     effects = scene.effects(tag)
     assert [row["fencing_token"] for row in effects] == [2], effects
     assert taken_over_after < 60
+
+
+def test_an_ack_lost_with_the_broker_redelivers_and_nothing_runs_twice(
+    scene: Scene, redis_server: RedisServer
+) -> None:
+    """The body finished and committed; the worker's broker connection goes silent before its
+    ack gets through, then drops. The message comes back, and its claim finds COMPLETED.
+    """
+    proxy = scene.proxy(redis_server.port)
+    broker = via(scene.env["CG_BROKER_URL"], redis_server.port, proxy)
+    # The result backend stays direct: the result is stored (by the pool child) before the ack.
+    (worker,) = scene.start(1, CG_BROKER_URL=broker, CG_VISIBILITY_TIMEOUT="10")
+    tag = uuid.uuid4().hex[:12]
+    key = f"gated:{tag}"
+    result = scene.send("shop.gated", tag)
+    scene.wait_record(key, lambda r: r.state == "RUNNING", "claimed")
+    assert proxy.stats.accepted > 0, "the worker reaches its broker through the proxy"
+
+    proxy.blackhole()
+    scene.open_gate(tag, 1)
+    scene.wait_record(key, lambda r: r.state == "COMPLETED", "completed")
+    wait_until(lambda: result.state == "SUCCESS", 30, "the result, stored just before the ack")
+    proxy.cut()  # the silent connections drop, with the ack that never reached Redis
+    proxy.heal()
+    # Restored when the worker's channel closes, or at the latest by the visibility timeout.
+    done = scene.wait_record(
+        key, lambda r: r.duplicates >= 1, "the redelivery to be answered from the store", 90
+    )
+    assert "Couldn't ack" in worker.log_text()
+    assert (done.state, done.attempts, done.fencing_token) == ("COMPLETED", 1, 1)
+    assert len(scene.effects(tag)) == 1
+    assert worker.is_alive()
