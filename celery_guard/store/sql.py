@@ -1013,6 +1013,9 @@ SELECT k.key, k.fencing_token,
            AS live
 FROM celery_guard_keys AS k
 WHERE k.state = 'RUNNING' AND k.owner_lock IS NOT NULL
+  -- Claimed before the server (re)started: every session's lock died with it, the owner's
+  -- proves nothing. The lease decides.
+  AND k.updated_at > CAST(EXTRACT(EPOCH FROM pg_postmaster_start_time()) AS DOUBLE PRECISION)
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks AS l
       WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1

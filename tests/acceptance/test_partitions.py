@@ -283,3 +283,60 @@ def test_a_flapping_store_connection_under_load_loses_nothing_and_runs_nothing_t
     )
     assert store_errors > 0
     assert proxy.stats.resets > 0
+
+
+@pytest.fixture
+def own_servers(tmp_path: Path) -> Iterator[tuple[PostgresServer, RedisServer]]:
+    """Servers of this test's own: it restarts them (Redis keeps its data on disk)."""
+    with PostgresServer() as postgres, RedisServer(persistent=True) as redis_server:
+        yield postgres, redis_server
+
+
+def test_redis_and_postgresql_restarted_mid_run_every_task_completes_once(
+    own_servers: tuple[PostgresServer, RedisServer], tmp_path: Path
+) -> None:
+    """Redis (broker, results and the leases) restarts, then PostgreSQL does, while tasks run.
+
+    Every task completes once, and no live owner is mistaken for a dead one after PostgreSQL
+    restarted (its liveness lock died with the server, not with the owner).
+    """
+    postgres, redis_server = own_servers
+    scene_iter = make_scene(
+        new_store_database(postgres, "restart"),
+        redis_server,
+        tmp_path,
+        CG_LEASE_URL=redis_server.url_for(11),
+        CG_LEASE_TTL="3",
+        CG_VISIBILITY_TIMEOUT="20",
+    )
+    scene = next(scene_iter)
+    try:
+        scene.start(2, concurrency=2)
+        prefix = f"restart-{uuid.uuid4().hex[:8]}-"
+        tags = [f"{prefix}{n}" for n in range(40)]
+        for n, tag in enumerate(tags):
+            if n % 2:
+                scene.send("shop.long_write", tag, 1.0)
+            else:
+                scene.send("shop.record", tag)
+
+        def done() -> int:
+            return len(scene.effect_counts(prefix))
+
+        wait_until(lambda: done() >= 6, 60, "the first tasks to complete")
+        redis_server.restart()
+        at_redis_restart = done()
+        wait_until(lambda: done() >= at_redis_restart + 6, 90, "progress after Redis restarted")
+        at_postgres_restart = done()
+        postgres.restart()
+        scene.store.engine.dispose()  # the test's own pooled connections died with the server
+        wait_until(lambda: done() == len(tags), 180, "every task to complete")
+        assert at_postgres_restart < len(tags), "both restarts happened while work was left"
+        # No process died: the reaper must never have taken a key from a "dead" owner (every
+        # liveness lock vanishes with a PostgreSQL restart; that alone proves no death).
+        assert not [w for w in scene.workers if "is dead (liveness lock gone)" in w.log_text()]
+        counts = scene.effect_counts(prefix)
+        assert counts == dict.fromkeys(tags, 1), {t: n for t, n in counts.items() if n != 1}
+        assert all(worker.is_alive() for worker in scene.workers)
+    finally:
+        scene_iter.close()
