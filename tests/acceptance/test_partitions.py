@@ -8,6 +8,9 @@ a key (by fencing token) finishes its body.
 
 from __future__ import annotations
 
+import datetime
+import glob
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -57,9 +60,11 @@ class Scene:
     workers: list[WorkerProcess] = field(default_factory=list)
     proxies: list[FaultProxy] = field(default_factory=list)
 
-    def start(self, count: int = 1, concurrency: int = 1, **overrides: str) -> list[WorkerProcess]:
+    def start(
+        self, count: int = 1, concurrency: int = 1, queue: str | None = None, **overrides: str
+    ) -> list[WorkerProcess]:
         started = start_workers(
-            count, {**self.env, **overrides}, queues=self.queue, concurrency=concurrency
+            count, {**self.env, **overrides}, queues=queue or self.queue, concurrency=concurrency
         )
         self.workers.extend(started)
         return started
@@ -70,7 +75,7 @@ class Scene:
         return proxy
 
     def send(self, name: str, *args: object, **options: object):  # type: ignore[no-untyped-def]
-        return self.client.send_task(name, args=args, queue=self.queue, **options)
+        return self.client.send_task(name, args=args, **{"queue": self.queue, **options})
 
     def open_gate(self, tag: str, token: int) -> None:
         (self.gates / f"{tag}.{token}").touch()
@@ -340,3 +345,95 @@ def test_redis_and_postgresql_restarted_mid_run_every_task_completes_once(
         assert all(worker.is_alive() for worker in scene.workers)
     finally:
         scene_iter.close()
+
+
+LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+FAKETIME_SITE = Path(__file__).resolve().parents[1] / "rig" / "faketime_site"
+#: The skew each side of the real clock: 150 times the TTL.
+SKEW = 300
+
+
+def skewed(seconds: int) -> dict[str, str]:
+    """Environment that runs a process with its wall clock ``seconds`` off (libfaketime).
+
+    Only the wall clock moves, as on a host whose NTP is off; the monotonic clock is untouched.
+    ``faketime_site/sitecustomize.py`` works around libfaketime's broken ``time.sleep`` there.
+    """
+    return {
+        "LD_PRELOAD": LIBFAKETIME[0],
+        "FAKETIME": f"{seconds:+d}s",
+        "DONT_FAKE_MONOTONIC": "1",
+        "PYTHONPATH": str(FAKETIME_SITE),
+    }
+
+
+_LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+: ")
+
+
+def wall_clock_offset(worker: WorkerProcess) -> float:
+    """How far the worker's wall clock is from ours, by the time on its newest log line
+    (written moments ago: a lower bound, good to the line's age).
+    """
+    now = time.time()
+    stamps = [m.group(1) for m in map(_LOG_TIME.match, worker.log_text().splitlines()) if m]
+    assert stamps, "the worker logged nothing with a time"
+    logged = datetime.datetime.strptime(stamps[-1], "%Y-%m-%d %H:%M:%S").timestamp()
+    return logged - now
+
+
+@pytest.mark.skipif(
+    not LIBFAKETIME, reason="libfaketime is not installed (scripts/install-deps.sh)"
+)
+@pytest.mark.parametrize(
+    ("runner_skew", "rival_skew", "lease_backend"),
+    [(-SKEW, +SKEW, "sql-leases"), (+SKEW, -SKEW, "redis-leases")],
+)
+def test_workers_whose_clocks_are_minutes_apart_agree_on_every_lease(
+    scene: Scene, redis_server: RedisServer, runner_skew: int, rival_skew: int, lease_backend: str
+) -> None:
+    """The key's owner runs with its clock 5 minutes behind (or ahead), a rival 5 minutes the
+    other way. Leases are measured by the database's clock (SQL leases) or by Redis TTLs: the
+    rival neither takes over a live lease nor waits 5 minutes for a dead one; one effect.
+    """
+    lease_env = (
+        {"CG_LEASE_URL": redis_server.url_for(11)} if lease_backend == "redis-leases" else {}
+    )
+    rival_queue = f"{scene.queue}-rival"
+    (runner,) = scene.start(1, **skewed(runner_skew), **lease_env)
+    (rival,) = scene.start(1, queue=rival_queue, **skewed(rival_skew), **lease_env)
+    tag = uuid.uuid4().hex[:12]
+    key = f"gated:{tag}"
+    first = scene.send("shop.gated", tag)
+    claimed = scene.wait_record(key, lambda r: r.state == "RUNNING", "claimed by the runner")
+    assert scene.worker_of(claimed.owner) is runner
+    # The workers' wall clocks really are off (their log lines carry them); ours is not.
+    assert abs(wall_clock_offset(runner) - runner_skew) < 30
+    assert abs(wall_clock_offset(rival) - rival_skew) < 30
+
+    # Well past the claim-time lease, the runner still holds it: its renewals count.
+    wait_until(
+        lambda: scene.store.now() > (claimed.lease_expires_at or 0) + 2 * LEASE_TTL,
+        30,
+        "two TTLs past the claim's lease",
+    )
+    second = scene.send("shop.gated", tag, queue=rival_queue)
+    wait_until(lambda: second.state == "RETRY", 30, "the rival to defer (key in flight)")
+    record = scene.record(key)
+    assert record is not None and (record.state, record.fencing_token) == ("RUNNING", 1)
+
+    runner.freeze()  # now its lease must end after one TTL by the shared clock, not in 5 min
+    frozen_at = time.monotonic()
+    try:
+        taken = scene.wait_record(
+            key, lambda r: r.fencing_token == 2, "taken over by the rival", timeout=60
+        )
+        taken_over_after = time.monotonic() - frozen_at
+        assert scene.worker_of(taken.owner) is rival and taken.claim_reason == "TAKEOVER"
+        assert taken_over_after < SKEW / 10, "the lease ended by the shared clock"
+        scene.open_gate(tag, 2)
+        assert second.get(timeout=60)["fencing_token"] == 2
+    finally:
+        runner.thaw()
+    scene.open_gate(tag, 1)
+    assert first.get(timeout=60)["fencing_token"] == 2, "the runner's late commit was refused"
+    assert [row["fencing_token"] for row in scene.effects(tag)] == [2]
