@@ -14,7 +14,10 @@ server's. The faults, any time after :meth:`FaultProxy.start`:
 - :meth:`bandwidth`: a byte rate per direction;
 - :meth:`blackhole`: connections, old and new, are accepted but nothing is forwarded; what was
   sent waits, as in TCP's retransmissions during a partition, and flows once healed unless a
-  peer gave up first (a client's timeout, or :meth:`reset`);
+  peer gave up first (a client's timeout, or :meth:`reset`). The proxy's kernel still
+  acknowledges what the client sends, so to the client this is a peer that is up and silent
+  (a frozen server, or a pooler in front of a dead one): ``tcp_user_timeout`` does not fire,
+  only a client-side deadline does;
 - :meth:`reset`: every open connection is aborted with a RST to both peers;
 - :meth:`refuse`: the listening socket is closed, so new connections are refused;
 - :meth:`cut`: refuse and reset (a hard partition);
