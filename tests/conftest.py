@@ -1,4 +1,4 @@
-"""Session-wide servers: a private PostgreSQL and a private Redis on free loopback ports.
+"""Session-wide servers: private PostgreSQL, Redis and RabbitMQ on free loopback ports.
 
 They start on first use (a run of unit tests starts neither) and stop, by PID, at session end.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
-from tests.rig.servers import PostgresServer, RedisServer
+from tests.rig.servers import PostgresServer, RabbitMQServer, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +25,13 @@ def postgres() -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def rabbitmq() -> Iterator[RabbitMQServer]:
+    """One RabbitMQ node for the session (it takes a few seconds to boot)."""
+    with RabbitMQServer() as server:
         yield server
 
 

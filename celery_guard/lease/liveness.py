@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -57,7 +58,7 @@ class ProcessLiveness:
         with self._lock:
             now = time.monotonic()
             fresh = self._pid == os.getpid() and now - self._checked_at < self.recheck_after
-            if fresh and self._owner_lock is not None:
+            if fresh and self._owner_lock is not None and not self._session_spoke():
                 return self._owner_lock
             wanted = owner_lock_id(owner)
             try:
@@ -85,6 +86,16 @@ class ProcessLiveness:
             if not held:
                 logger.warning("celery_guard liveness lock %s is held by another session", wanted)
             return self._owner_lock
+
+    def _session_spoke(self) -> bool:
+        """Whether the idle lock session received anything: a server ending it (a restart,
+        ``pg_terminate_backend``) or a dropped connection. Its lock is then gone already.
+        """
+        try:
+            fd = self._connection.connection.dbapi_connection.fileno()
+            return bool(select.select([fd], [], [], 0)[0])
+        except Exception:  # closed or invalidated: recheck
+            return True
 
     def _drop(self) -> None:
         connection, self._connection, self._owner_lock = self._connection, None, None

@@ -62,6 +62,7 @@ from celery_guard.store.schema import (
     metadata,
     workers,
 )
+from celery_guard.store.watchdog import CallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class SqlStore:
         #: id(statement) -> (statement, driver SQL, fixed parameters); statements are built once.
         self._compiled_cache: dict[int, tuple[Any, str, dict[str, Any]]] = {}
         self._names_cache: dict[int, list[str]] = {}
+        #: PostgreSQL: closes a call's connection when the server never answers (watchdog.py).
+        self._watchdog = CallWatchdog(config.store_timeout + max(1.0, config.store_timeout / 2))
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -160,7 +163,9 @@ class SqlStore:
             "tcp_user_timeout": millis,
             "application_name": "celery_guard",
         }
-        return create_engine(url, connect_args=connect_args, pool_timeout=timeout)
+        engine = create_engine(url, connect_args=connect_args, pool_timeout=timeout)
+        self._watchdog.install(engine)
+        return engine
 
     def ensure_schema(self) -> None:
         """Create the tables if they are missing (when ``guard_create_tables`` is on)."""
@@ -548,7 +553,8 @@ class SqlStore:
 
         def commit() -> None:
             try:
-                transaction.commit()
+                with self._watchdog.watching(_dbapi_connection(transaction)):
+                    transaction.commit()
             except sa_exc.DBAPIError as exc:
                 raise _wrap(exc, self.config) from exc
 
@@ -607,7 +613,7 @@ class SqlStore:
             connection: Any = pooled.driver_connection
             try:
                 connection.autocommit = True
-                with connection.cursor() as cursor:
+                with connection.cursor() as cursor, self._watchdog.watching(connection):
                     cursor.execute(sql, values)
                     rows: list[dict[str, Any]] = []
                     names = self._column_names(statement, cursor)
@@ -928,6 +934,14 @@ class SqlStore:
         return self._call(write)
 
 
+def _dbapi_connection(transaction: RootTransaction) -> Any:
+    """The driver's connection under ``transaction``, or None when there is none to watch."""
+    try:
+        return transaction.connection.connection.dbapi_connection
+    except sa_exc.SQLAlchemyError:
+        return None
+
+
 def _tell(observer: StoreObserver, seconds: float, error: StoreError | None) -> None:
     """Counting a call must never change its outcome."""
     try:
@@ -1054,6 +1068,9 @@ SELECT k.key, k.fencing_token,
            AS live
 FROM celery_guard_keys AS k
 WHERE k.state = 'RUNNING' AND k.owner_lock IS NOT NULL
+  -- Claimed before the server (re)started: every session's lock died with it, the owner's
+  -- proves nothing. The lease decides.
+  AND k.updated_at > CAST(EXTRACT(EPOCH FROM pg_postmaster_start_time()) AS DOUBLE PRECISION)
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks AS l
       WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1

@@ -160,6 +160,24 @@ def long_write(self: Any, tag: str, seconds: float) -> dict[str, Any]:
     return {"tag": tag, "pid": os.getpid(), "fencing_token": self.guard.fencing_token}
 
 
+@app.task(name="shop.gated", bind=True, idempotency_key="gated:{tag}")
+def gated(self: Any, tag: str, limit: float = 120.0) -> dict[str, Any]:
+    """Works until the test opens this execution's gate, then writes its effect.
+
+    The gate is a file ``<CG_MARKER_DIR>/<tag>.<fencing token>``, so a test lets each owner of
+    the key (the first, the one that took it over...) finish when it chooses. ``limit`` bounds
+    the wait: past it the body writes anyway.
+    """
+    gate = os.path.join(
+        os.environ.get("CG_MARKER_DIR", "/nonexistent"), f"{tag}.{self.guard.fencing_token}"
+    )
+    deadline = time.monotonic() + limit
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    write_effect(self, tag)
+    return {"tag": tag, "pid": os.getpid(), "fencing_token": self.guard.fencing_token}
+
+
 @app.task(name="shop.hang_first_attempt", bind=True, idempotency_key="hang:{tag}")
 def hang_first_attempt(self: Any, tag: str) -> int:
     """The first execution blocks forever on a socket read with no timeout (seed 001)."""

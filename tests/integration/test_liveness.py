@@ -15,7 +15,7 @@ from celery_guard.lease.liveness import ProcessLiveness, owner_lock_id
 from celery_guard.reaper import Reaper
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
 from tests.rig.procs import pid_alive, wait_until
-from tests.rig.servers import RedisServer
+from tests.rig.servers import PostgresServer, RedisServer
 
 
 def claim_and_hang(url: str, key: str, ready: Any) -> None:
@@ -79,3 +79,46 @@ def test_liveness_is_a_no_op_on_sqlite(sqlite_url: str) -> None:
     assert ProcessLiveness(store, recheck_after=10).lock_id("w/1") is None
     assert store.dead_owner_keys(limit=10) == []
     store.dispose()
+
+
+def test_a_postgresql_restart_kills_every_lock_but_no_owner(tmp_path: Any) -> None:
+    """Every session's advisory lock dies with a restart: that is no proof the owners died.
+
+    A key claimed before the restart is left to its lease, and the lock the process cached is
+    taken again on its next claim rather than recorded while no session holds it.
+    """
+    with PostgresServer() as server:
+        url = server.create_database("restart")
+        store = SqlStore(GuardConfig(store_url=url, store_timeout=2.0))
+        store.ensure_schema()
+        liveness = ProcessLiveness(store, recheck_after=300)  # the cache alone would not notice
+        try:
+            lock = liveness.lock_id("w/1")
+            assert lock is not None
+            store.claim(claim_request("before", lock))
+            server.restart()
+            store.dispose()
+            # The claim's lock died with the server, not with its owner: not dead.
+            assert store.dead_owner_keys(limit=10) == []
+            # The process's next claim holds its lock again (on a new session) or records none.
+            again = liveness.lock_id("w/1")
+            again = again if again is not None else liveness.lock_id("w/1")
+            assert again == lock
+            store.claim(claim_request("after", again))
+            assert store.dead_owner_keys(limit=10) == [], "its lock is held again"
+        finally:
+            liveness._drop()
+            store.dispose()
+
+
+def claim_request(key: str, lock: int | None) -> ClaimRequest:
+    return ClaimRequest(
+        key=key,
+        task_name="t",
+        fingerprint="fp",
+        check_fingerprint=True,
+        owner="w/1",
+        owner_lock=lock,
+        message=None,
+        lease_ttl=300.0,
+    )

@@ -10,8 +10,11 @@ import contextlib
 import os
 import pwd
 import signal
+import socket
 import subprocess
 import tempfile
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -415,3 +418,129 @@ class RedisServer(_ServerBase):
     def flushall(self) -> None:
         with self.client() as r:
             r.flushall()
+
+
+RABBITMQ_BIN = Path("/usr/lib/rabbitmq/bin")
+EPMD = "/usr/bin/epmd"
+
+
+class RabbitMQServer(_ServerBase):
+    """A throwaway RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1, as the test user.
+
+    Everything lives in a temp dir (HOME with its Erlang cookie, mnesia, logs, no plugins) and
+    the node has a unique name. Erlang's port mapper is ours too: an ``epmd`` on a free port,
+    started before the node (which would otherwise daemonize a shared one on 4369) and stopped
+    by PID after it. Startup is bounded and confirmed with ``rabbitmqctl await_startup``.
+    """
+
+    name = "rabbitmq"
+
+    def __init__(self, port: int | None = None, start_timeout: float = 90) -> None:
+        super().__init__(port)
+        self.start_timeout = start_timeout
+        self.dist_port = free_port()
+        self.epmd_port = free_port()
+        self.node = f"rig-{uuid.uuid4().hex[:8]}@localhost"
+        self._epmd: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The broker URL (the default vhost; ``guest`` may log in from loopback)."""
+        return f"amqp://guest:guest@127.0.0.1:{self._port}//"
+
+    def _env(self) -> dict[str, str]:
+        assert self._tmp is not None
+        tmp = self._tmp
+        return _clean_env(
+            HOME=str(tmp),
+            ERL_EPMD_PORT=str(self.epmd_port),
+            ERL_EPMD_ADDRESS="127.0.0.1",
+            RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self._port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_MNESIA_BASE=str(tmp / "mnesia"),
+            RABBITMQ_LOG_BASE=str(tmp / "log"),
+            RABBITMQ_PID_FILE=str(tmp / "rabbitmq.pid"),
+            RABBITMQ_CONF_ENV_FILE=str(tmp / "rabbitmq-env.conf"),
+            RABBITMQ_CONFIG_FILE=str(tmp / "rabbitmq"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(tmp / "enabled_plugins"),
+            RABBITMQ_ALLOW_INPUT="",
+        )
+
+    def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``rabbitmqctl -n <node> ARGS`` against this node."""
+        return subprocess.run(
+            [str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.node, *args],
+            env=self._env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        self._tmp = Path(tempfile.mkdtemp(prefix="rig-rabbitmq-"))
+        procs.register(self)  # so the temp dir (and epmd) go even if the start fails
+        (self._tmp / "rabbitmq-env.conf").write_text("")
+        (self._tmp / "enabled_plugins").write_text("[].\n")
+        (self._tmp / "rabbitmq.conf").write_text("loopback_users.guest = true\n")
+        with open(self._tmp / "epmd.log", "ab") as log:
+            self._epmd = subprocess.Popen(
+                [EPMD, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self._env(),
+            )
+        self._spawn([str(RABBITMQ_BIN / "rabbitmq-server")], cwd=self._tmp, env=self._env())
+        deadline = time.monotonic() + self.start_timeout
+
+        def booted() -> bool:
+            # await_startup answers at once (non-zero) while the node is not registered yet.
+            left = max(1, int(deadline - time.monotonic()))
+            return (
+                self.ctl("await_startup", "--timeout", str(left), timeout=left + 30).returncode == 0
+            )
+
+        def accepts() -> bool:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self._port), timeout=2),
+            ):
+                return True
+            return False
+
+        self._wait_ready(lambda: booted() and accepts(), self.start_timeout)
+
+    def _stop_epmd(self) -> None:
+        if self._epmd is not None:
+            procs.terminate_tree(self._epmd, signal.SIGTERM, 5)
+            self._epmd = None
+
+    def stop(self) -> None:
+        """SIGTERM the Erlang VM (a clean shutdown), SIGKILL after 30 s; then epmd; rm the dir."""
+        if self._proc is not None and self._tmp is not None:
+            # The Popen child is the start script's shell; the VM's PID is in the pid file.
+            with contextlib.suppress(OSError, ValueError):
+                beam = int((self._tmp / "rabbitmq.pid").read_text().strip())
+                if beam in procs.descendants(self._proc.pid):
+                    os.kill(beam, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(30)
+        self._shutdown(signal.SIGTERM, 10)
+        self._stop_epmd()
+        procs.remove_tree(self._tmp)
+        self._tmp = None
+
+    def emergency_kill(self) -> None:
+        procs.kill_tree_now(self._proc)
+        self._proc = None
+        procs.kill_tree_now(self._epmd)
+        self._epmd = None
+        procs.remove_tree(self._tmp)
+        self._tmp = None

@@ -12,9 +12,10 @@ import psycopg
 import pytest
 import redis
 import sqlalchemy as sa
+from kombu import Connection
 
 from . import procs
-from .servers import PostgresServer, RedisServer
+from .servers import PostgresServer, RabbitMQServer, RedisServer
 from .workers import WorkerProcess
 
 RIG_DIR = Path(__file__).resolve().parent
@@ -141,6 +142,22 @@ def test_redis_with_a_password() -> None:
         server.restart()
         with server.client() as client:
             assert client.ping(), "the password survives a restart"
+
+
+def test_rabbitmq_roundtrip_and_stop_by_pid() -> None:
+    """A private node and its own epmd, both gone (by PID) after stop."""
+    with RabbitMQServer() as server:
+        with Connection(server.url, connect_timeout=10) as connection:
+            queue = connection.SimpleQueue(f"rig-{server.port}")
+            queue.put({"n": 1})
+            message = queue.get(timeout=10)
+            assert message.payload == {"n": 1}
+            message.ack()
+            queue.close()
+        assert server._epmd is not None
+        pids = [server.pid, server._epmd.pid, *procs.descendants(server.pid)]
+        assert len(pids) >= 3, "the start script, the Erlang VM and epmd"
+    assert not [pid for pid in pids if procs.pid_alive(pid)]
 
 
 def test_server_start_failure_reports_log(redis_server: RedisServer) -> None:
