@@ -144,6 +144,8 @@ class Soak:
         self.timers: list[threading.Timer] = []
         self.lock = threading.Lock()
         self.sent_tags: list[str] = []
+        self.published_at: dict[str, float] = {}
+        self.fault_log: list[tuple[float, str]] = []
         self.pill_keys: list[str] = []
         self.messages = 0
 
@@ -209,6 +211,7 @@ class Soak:
                     self.client.send_task(name, args=task_args, queue=QUEUE, producer=producer)
                     self.messages += 1
                 self.sent_tags.append(tag)
+                self.published_at[tag] = time.monotonic()
                 if pill_at and n == pill_at[0]:
                     pill_at.pop(0)
                     pill = f"{prefix}-pill-{n}"
@@ -235,6 +238,7 @@ class Soak:
     def inject(self, fault: str, slot: Slot) -> None:
         assert slot.worker is not None
         self.faults[fault] += 1
+        self.fault_log.append((time.monotonic(), fault))
         victims = self.running_on(slot.pids())
         log(f"{fault} on slot {slot.index} ({len(victims)} keys running there)")
         if fault == "kill_worker":
@@ -456,6 +460,7 @@ def render_run(args: argparse.Namespace, soak: Soak, result: dict[str, Any], dra
         f"{args.seconds:g} s; after the chaos, everything healed and the run drained in "
         f"{drained:.0f} s.",
         "",
+        *([never_claimed_note(soak, result), ""] if result["never_claimed"] else []),
         "| Outcome | Value | Must be |",
         "|---|---:|---|",
         f"| tasks lost (key never COMPLETED, or no effect) | {len(result['lost'])} | 0 |",
@@ -489,6 +494,29 @@ def render_run(args: argparse.Namespace, soak: Soak, result: dict[str, Any], dra
             f"{soak.unrecovered.get(fault, 0)} |"
         )
     return "\n".join(out) + "\n"
+
+
+def never_claimed_note(soak: Soak, result: dict[str, Any]) -> str:
+    """Why tasks with no key row were lost: the fault nearest to each one's publication."""
+    nearest = []
+    for tag in result["never_claimed"]:
+        at = soak.published_at[tag]
+        gap, fault = min(((abs(t - at), f) for t, f in soak.fault_log), default=(0.0, "none"))
+        nearest.append(f"{fault} {gap:.1f} s away")
+    note = (
+        "No worker ever claimed the lost tasks (no key row). The fault nearest to each one's "
+        f"publication: {', '.join(nearest)}."
+    )
+    if soak.broker == "redis":
+        note += (
+            " kombu's Redis transport takes a message off the queue with BRPOP and only then "
+            "records it as unacknowledged, in the worker; a worker SIGKILLed in between (or a "
+            "BRPOP reply lost with its connection) takes the message with it. celery_guard "
+            "never saw it, so its reaper cannot re-publish it, and the visibility timeout "
+            "cannot restore what was never recorded. RabbitMQ tracks unacknowledged messages "
+            "in the broker and requeues them when the connection drops."
+        )
+    return note
 
 
 def render(
