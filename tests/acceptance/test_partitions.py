@@ -381,9 +381,6 @@ def wall_clock_offset(worker: WorkerProcess) -> float:
     return logged - now
 
 
-@pytest.mark.skipif(
-    not LIBFAKETIME, reason="libfaketime is not installed (scripts/install-deps.sh)"
-)
 @pytest.mark.parametrize(
     ("runner_skew", "rival_skew", "lease_backend"),
     [(-SKEW, +SKEW, "sql-leases"), (+SKEW, -SKEW, "redis-leases")],
@@ -395,6 +392,8 @@ def test_workers_whose_clocks_are_minutes_apart_agree_on_every_lease(
     other way. Leases are measured by the database's clock (SQL leases) or by Redis TTLs: the
     rival neither takes over a live lease nor waits 5 minutes for a dead one; one effect.
     """
+    # make test installs libfaketime (scripts/install-deps.sh): missing, the test fails.
+    assert LIBFAKETIME, "libfaketime is not installed: run scripts/install-deps.sh"
     lease_env = (
         {"CG_LEASE_URL": redis_server.url_for(11)} if lease_backend == "redis-leases" else {}
     )
