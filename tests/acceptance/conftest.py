@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import create_engine, func, select
 
 import celery_guard
-from celery_guard.store import KeyRecord
+from celery_guard.store import KeyRecord, SqlStore
 from celery_guard.store import metadata as guard_metadata
 from tests.apps import shop_tables
 from tests.rig.procs import wait_until
@@ -132,3 +132,39 @@ def wait_for_key_state(shop: ModuleType, key: str, state: str, timeout: float = 
 
     wait_until(reached, timeout, f"key {key!r} to reach {state}")
     return found[-1]
+
+
+def effects_in(store: SqlStore, tag: str) -> int:
+    """How many effect rows the shop's tasks wrote for ``tag`` (one per completed body)."""
+    with store.engine.connect() as connection:
+        return int(
+            connection.execute(
+                select(func.count())
+                .select_from(shop_tables.effects)
+                .where(shop_tables.effects.c.tag == tag)
+            ).scalar_one()
+        )
+
+
+def wait_owner(store: SqlStore, key: str, timeout: float = 30) -> str:
+    """Wait until some worker runs ``key``; return its owner (``hostname/pid``)."""
+    owners: list[str] = []
+
+    def running() -> bool:
+        record = store.get(key)
+        if record is not None and record.state == "RUNNING" and record.owner:
+            owners.append(record.owner)
+            return True
+        return False
+
+    wait_until(running, timeout, f"{key} to be running")
+    return owners[-1]
+
+
+def worker_running(workers: list[WorkerProcess], owner: str) -> WorkerProcess:
+    """The worker whose main process or pool child is the ``owner`` (``hostname/pid``)."""
+    pid = int(owner.rsplit("/", 1)[1])
+    for worker in workers:
+        if pid == worker.pid or pid in worker.child_pids():
+            return worker
+    raise AssertionError(f"no worker runs pid {pid}")

@@ -19,7 +19,7 @@ import redis
 from celery import Celery
 from celery.exceptions import NotRegistered
 from celery.result import AsyncResult
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine
 
 from celery_guard import (
     GuardConfig,
@@ -30,7 +30,11 @@ from celery_guard import (
 from celery_guard.cli.reconcile import _decode_envelope
 from celery_guard.store import SqlStore
 from celery_guard.store.base import DeadLetter
-from tests.acceptance.conftest import new_store_database, start_workers
+from tests.acceptance.conftest import (
+    effects_in,
+    new_store_database,
+    start_workers,
+)
 from tests.acceptance.test_cli import guard_ok, run_guard
 from tests.apps import shop_tables
 from tests.rig.procs import wait_until
@@ -61,14 +65,7 @@ class Scene:
         return worker
 
     def effects(self, tag: str) -> int:
-        with self.store.engine.connect() as connection:
-            return int(
-                connection.execute(
-                    select(func.count())
-                    .select_from(shop_tables.effects)
-                    .where(shop_tables.effects.c.tag == tag)
-                ).scalar_one()
-            )
+        return effects_in(self.store, tag)
 
     def letters(self, task_name: str) -> list[DeadLetter]:
         return self.store.list_dead_letters(task_name=task_name, limit=100)

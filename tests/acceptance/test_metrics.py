@@ -21,7 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 import celery_guard
 from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
-from tests.acceptance.conftest import new_store_database, start_workers
+from tests.acceptance.conftest import (
+    new_store_database,
+    start_workers,
+    wait_owner,
+)
 from tests.rig.ports import free_port
 from tests.rig.procs import pid_alive, wait_until
 from tests.rig.servers import PostgresServer, RedisServer
@@ -129,17 +133,7 @@ def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_c
     # (acks_late, reject_on_worker_lost) and a replacement child takes the key over.
     long_key = f"long:{tag}"
     long_result = scene.send("shop.long_write", tag, 3.0)
-    owners: list[str] = []
-
-    def running() -> bool:
-        record = scene.store.get(long_key)
-        if record is not None and record.state == "RUNNING" and record.owner:
-            owners.append(record.owner)
-            return True
-        return False
-
-    wait_until(running, 30, f"{long_key} to run")
-    child = int(owners[-1].rsplit("/", 1)[1])
+    child = int(wait_owner(scene.store, long_key).rsplit("/", 1)[1])
     before_kill = scene.scrape()
     assert value(before_kill, "celery_guard_executions_running") == 1
     assert value(before_kill, "celery_guard_worker_state", state="PROCESSING") == 1

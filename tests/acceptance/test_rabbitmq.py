@@ -16,13 +16,17 @@ from dataclasses import dataclass, field
 
 import pytest
 from celery import Celery
-from sqlalchemy import func, select
 
 from celery_guard import GuardConfig
 from celery_guard.deadletters import dead_letter_queue
 from celery_guard.store.sql import SqlStore
-from tests.acceptance.conftest import new_store_database, start_workers
-from tests.apps import shop_tables
+from tests.acceptance.conftest import (
+    effects_in,
+    new_store_database,
+    start_workers,
+    wait_owner,
+    worker_running,
+)
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RabbitMQServer, RedisServer
 from tests.rig.workers import WorkerProcess
@@ -53,31 +57,10 @@ class AmqpCluster:
         return self.client.send_task(name, args=args, queue=self.queue, **options)
 
     def effects(self, tag: str) -> int:
-        with self.store.engine.connect() as connection:
-            return int(
-                connection.execute(
-                    select(func.count())
-                    .select_from(shop_tables.effects)
-                    .where(shop_tables.effects.c.tag == tag)
-                ).scalar_one()
-            )
+        return effects_in(self.store, tag)
 
     def wait_running(self, key: str) -> WorkerProcess:
-        owners: list[str] = []
-
-        def running() -> bool:
-            record = self.store.get(key)
-            if record is not None and record.state == "RUNNING" and record.owner:
-                owners.append(record.owner)
-                return True
-            return False
-
-        wait_until(running, 60, f"{key} to be running")
-        pid = int(owners[-1].rsplit("/", 1)[1])
-        for worker in self.workers:
-            if pid == worker.pid or pid in worker.child_pids():
-                return worker
-        raise AssertionError(f"no worker runs pid {pid}")
+        return worker_running(self.workers, wait_owner(self.store, key, 60))
 
 
 @pytest.fixture

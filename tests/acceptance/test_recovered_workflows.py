@@ -14,12 +14,16 @@ from dataclasses import dataclass
 
 import pytest
 from celery import Celery, chain
-from sqlalchemy import func, select
 
 from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
-from tests.acceptance.conftest import new_store_database, start_workers
-from tests.apps import shop_tables
+from tests.acceptance.conftest import (
+    effects_in,
+    new_store_database,
+    start_workers,
+    wait_owner,
+    worker_running,
+)
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess
@@ -38,29 +42,10 @@ class Cluster:
     workers: list[WorkerProcess]
 
     def effects(self, tag: str) -> int:
-        with self.store.engine.connect() as connection:
-            return int(
-                connection.execute(
-                    select(func.count())
-                    .select_from(shop_tables.effects)
-                    .where(shop_tables.effects.c.tag == tag)
-                ).scalar_one()
-            )
+        return effects_in(self.store, tag)
 
     def kill_the_worker_running(self, key: str) -> None:
-        owners: list[str] = []
-
-        def running() -> bool:
-            record = self.store.get(key)
-            if record is not None and record.state == "RUNNING" and record.owner:
-                owners.append(record.owner)
-                return True
-            return False
-
-        wait_until(running, 30, f"{key} to be running")
-        pid = int(owners[-1].rsplit("/", 1)[1])
-        (victim,) = [w for w in self.workers if pid == w.pid or pid in w.child_pids()]
-        victim.kill()
+        worker_running(self.workers, wait_owner(self.store, key)).kill()
 
 
 @pytest.fixture

@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 import pytest
 from celery import Celery
-from sqlalchemy import func, select
 
 from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
-from tests.acceptance.conftest import new_store_database, start_workers
-from tests.apps import shop_tables
+from tests.acceptance.conftest import (
+    effects_in,
+    new_store_database,
+    start_workers,
+    wait_owner,
+    worker_running,
+)
 from tests.rig.procs import pid_alive, wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess
@@ -49,14 +53,7 @@ class Cluster:
         return self.client.send_task(name, args=args, queue=self.queue, **options)
 
     def effects(self, tag: str) -> int:
-        with self.store.engine.connect() as connection:
-            return int(
-                connection.execute(
-                    select(func.count())
-                    .select_from(shop_tables.effects)
-                    .where(shop_tables.effects.c.tag == tag)
-                ).scalar_one()
-            )
+        return effects_in(self.store, tag)
 
 
 @pytest.fixture(params=["sql-leases", "redis-leases"])
@@ -94,25 +91,11 @@ _never = _Never()
 
 def wait_running(cluster: Cluster, key: str, timeout: float = 30) -> str:
     """Wait until some worker runs ``key``; return its owner (``hostname/pid``)."""
-    owners: list[str] = []
-
-    def running() -> bool:
-        record = cluster.store.get(key)
-        if record is not None and record.state == "RUNNING" and record.owner:
-            owners.append(record.owner)
-            return True
-        return False
-
-    wait_until(running, timeout, f"{key} to be running")
-    return owners[-1]
+    return wait_owner(cluster.store, key, timeout)
 
 
 def worker_of(cluster: Cluster, owner: str) -> WorkerProcess:
-    pid = int(owner.rsplit("/", 1)[1])
-    for worker in cluster.workers:
-        if pid == worker.pid or pid in worker.child_pids():
-            return worker
-    raise AssertionError(f"no worker runs pid {pid}")
+    return worker_running(cluster.workers, owner)
 
 
 def test_a_whole_worker_sigkilled_mid_task_is_recovered_by_the_reaper(cluster: Cluster) -> None:
