@@ -293,6 +293,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
 
     def _delivery(self, request: Any, args: Any, kwargs: Any, config: GuardConfig) -> Delivery:
         headers = request.headers or {}
+        arguments = bind_arguments(self.run, args, kwargs)
         key = headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None)
         if key is not None:
             source = KeySource(
@@ -302,11 +303,10 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             )
             key = validate_key(key)
         else:
-            key = self._key_from_option(args, kwargs)
+            key = self._key_from_option(args, kwargs, arguments)
             source = KeySource.OPTION
         if key is None:
             key, source = request.id, KeySource.TASK_ID
-        arguments = bind_arguments(self.run, args, kwargs)
         try:
             fingerprint: str | None = payload_fingerprint(self.name, arguments)
         except GuardError:
@@ -362,9 +362,16 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         policy = get_runtime(self.app).config.error_policy
         return policy.with_layer(self.transient_errors, self.permanent_errors).classify(exc)
 
-    def _key_from_option(self, args: Any, kwargs: Any) -> str | None:
+    def _key_from_option(
+        self, args: Any, kwargs: Any, arguments: dict[str, Any] | None = None
+    ) -> str | None:
         return key_from_option(
-            self.idempotency_key, task_name=self.name, fun=self.run, args=args, kwargs=kwargs
+            self.idempotency_key,
+            task_name=self.name,
+            fun=self.run,
+            args=args,
+            kwargs=kwargs,
+            arguments=arguments,
         )
 
     def _republish_message(
