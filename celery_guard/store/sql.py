@@ -233,7 +233,11 @@ class SqlStore:
         """
         statement = _complete_statement(retention is not None)
         parameters = {"p_key": key, "p_token": token, "p_result": result, "p_retention": retention}
-        if connection is not None:
+        if connection is not None and self.dialect_name == "postgresql":
+            rowcount = self._observed(
+                lambda: self._execute_in_transaction(connection, statement, parameters)
+            )
+        elif connection is not None:
             rowcount = self._call(lambda: connection.execute(statement, parameters).rowcount)
         else:
             rowcount = self._call(lambda: self._execute_hot(statement, parameters))[1]
@@ -641,6 +645,27 @@ class SqlStore:
                         pooled.invalidate(exc)
         finally:
             pooled.close()
+
+    def _execute_in_transaction(
+        self, connection: Connection, statement: Any, parameters: dict[str, Any]
+    ) -> int:
+        """The completion marker inside a task's open transaction; returns the rowcount.
+
+        Run on the driver connection under SQLAlchemy's transaction, like :meth:`_execute_hot`
+        (SQLAlchemy's own execute was most of the marker's client cost). Never resent: after a
+        lost connection the transaction is gone, and the delivery is deferred instead.
+        """
+        engine = connection.engine
+        sql, defaults = self._compiled(engine, statement)
+        values = {**defaults, **parameters}
+        try:
+            return self._run_hot(
+                engine, connection.connection.dbapi_connection, statement, sql, values
+            )[1]
+        except sa_exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                connection.invalidate(exc.orig)
+            raise _wrap(exc, self.config) from exc
 
     def _run_hot(
         self, engine: Engine, connection: Any, statement: Any, sql: str, values: dict[str, Any]
