@@ -63,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=2000, help="messages per run (default 2000)")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (2)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per variant; median (3)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per variant; median (5)")
     parser.add_argument("--prefetch", type=int, default=4, help="worker_prefetch_multiplier (4)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per run")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
