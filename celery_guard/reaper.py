@@ -117,15 +117,14 @@ class Reaper:
             for record in candidates:
                 if record.key not in alive:
                     self._recover(record, now, report)
-            if self.outbox is not None:
-                report.outbox = OutboxReport()
-                self.outbox.forget_claimed(report.outbox)
-            # With tracking, a key is pruned only once its tracked publish is forgotten.
-            report.pruned = self.store.prune_completed(
-                limit=1000, keep_tracked=self.outbox is not None
-            )
-            if self.outbox is not None and report.outbox is not None:
-                self.outbox.republish_due(report.outbox)
+            tracking = self.outbox
+            if tracking is None or self._outbox_step(report, tracking.forget_claimed):
+                # With tracking, a key is pruned only once its tracked publish is forgotten.
+                report.pruned = self.store.prune_completed(
+                    limit=1000, keep_tracked=tracking is not None
+                )
+                if tracking is not None:
+                    self._outbox_step(report, tracking.republish_due)
         except StoreError as exc:
             self.leader = False
             logger.warning("celery_guard reaper pass failed: %s", exc)
@@ -151,6 +150,18 @@ class Reaper:
                 len(outbox.abandoned),
             )
         return report
+
+    def _outbox_step(self, report: ReaperReport, step: Callable[[OutboxReport], None]) -> bool:
+        """One step of publish tracking; its store failure (a table your migrations have not
+        created yet, say) is logged without ending the pass's other work or the sampling."""
+        if report.outbox is None:
+            report.outbox = OutboxReport()
+        try:
+            step(report.outbox)
+        except StoreError as exc:
+            logger.warning("celery_guard reaper: publish tracking failed this pass: %s", exc)
+            return False
+        return True
 
     def _take_over_dead_owners(self, report: ReaperReport) -> None:
         """End the leases of keys whose owner process is gone (its liveness lock vanished)."""
