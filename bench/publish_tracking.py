@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # so that ``tests.rig`` and ``bench`` import when
 
 import celery_guard  # noqa: E402
 from bench.overhead import machine_info, write_section  # noqa: E402
-from tests.apps.shop import producer_app  # noqa: E402
+from tests.apps.shop_producer import producer_app  # noqa: E402
 from tests.rig.servers import PostgresServer, RedisServer  # noqa: E402
 
 HEADING = "## Publish tracking (bench/publish_tracking.py)"

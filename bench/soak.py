@@ -62,7 +62,7 @@ from celery_guard import GuardConfig  # noqa: E402
 from celery_guard.store import metadata as guard_metadata  # noqa: E402
 from celery_guard.store.sql import SqlStore  # noqa: E402
 from tests.apps import shop_tables  # noqa: E402
-from tests.apps.shop import producer_app  # noqa: E402
+from tests.apps.shop_producer import producer_app  # noqa: E402
 from tests.rig import procs  # noqa: E402
 from tests.rig.faultproxy import FaultProxy  # noqa: E402
 from tests.rig.servers import PostgresServer, RabbitMQServer, RedisServer  # noqa: E402

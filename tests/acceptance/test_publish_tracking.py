@@ -10,10 +10,12 @@ left alone.
 
 from __future__ import annotations
 
+import inspect
 import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ from celery_guard.store import SqlStore
 from celery_guard.store.base import PublishRecord
 from tests.acceptance.conftest import effects_in, new_store_database, start_workers
 from tests.acceptance.test_cli import guard_json
-from tests.apps.shop import producer_app
+from tests.apps.shop_producer import TASKS, producer_app
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess
@@ -125,10 +127,10 @@ def test_a_message_lost_before_any_claim_is_re_published_and_runs_once(scene: Sc
     scene.start_worker()
     for result, tag in zip(results, tags, strict=True):
         assert result.get(timeout=TIMEOUT) == {"tag": tag, "value": None}
-    lines = scene.republished()
-    assert f"key=record:{tags[1]} " in lines and lines.count("\n") == 0, (
-        "only the lost message is re-published"
-    )
+    # The others were still queued, then claimed: not copied. (A reaper pass landing in the
+    # milliseconds between a worker's BRPOP and its claim could copy one, harmlessly: the
+    # effect counts below would still be 1.)
+    assert f"key=record:{tags[1]} " in scene.republished()
     wait_until(lambda: scene.records() == {}, TIMEOUT, "every record to be forgotten")
     assert [effects_in(scene.store, tag) for tag in tags] == [1, 1, 1]
     assert guard_json("status", env=scene.env)["unclaimed_publishes"] == {
@@ -158,8 +160,10 @@ def test_a_message_waiting_in_a_backlog_is_not_re_published(scene: Scene) -> Non
     # is gone unseen. Only then is it published again.
     newer = scene.send(uuid.uuid4().hex[:10], queue=backlog)
     scene.lose(waiting.id, queue=backlog)
-    wait_until(
-        lambda: scene.records()[key].republishes == 1, TIMEOUT, "the lost message's re-publish"
+    wait_until(  # the record is marked just before the copy is sent: wait for both
+        lambda: scene.records()[key].republishes == 1 and len(scene.queued(backlog)) == 2,
+        TIMEOUT,
+        "the lost message's re-publish",
     )
     copies = [json.loads(raw)["headers"]["id"] for raw in scene.queued(backlog)]
     assert sorted(copies) == sorted([newer.id, waiting.id]), "one copy, same task id"
@@ -170,7 +174,7 @@ def test_revoked_and_unknown_messages_are_forgotten_not_re_published(scene: Scen
     """No claim will ever come for them; the reaper would otherwise send them again and again."""
     worker = scene.start_worker()
 
-    @scene.producer.task(name="shop.only_in_producer", bind=True)
+    @scene.producer.task(name="shop.only_in_producer", shared=False, bind=True)
     def only_in_producer(self: Any, tag: str) -> str:
         return tag
 
@@ -190,3 +194,15 @@ def test_revoked_and_unknown_messages_are_forgotten_not_re_published(scene: Scen
     assert f"id={unknown.id}: unknown task" in log and f"id={revoked_id}: revoked" in log
     assert [letter.task_id for letter in scene.store.list_dead_letters()] == [unknown.id]
     assert effects_in(scene.store, tag) == 0 and scene.republished() == ""
+
+
+def test_the_producer_declares_the_shop_tasks_as_the_workers_run_them(shop: ModuleType) -> None:
+    """tests/apps/shop_producer.py repeats names, signatures and key options: kept in step."""
+    for name, function, key in TASKS:
+        theirs = shop.app.tasks[name]
+        assert type(theirs).idempotency_key == key, name
+        assert parameters(function) == parameters(type(theirs).run), name
+
+
+def parameters(function: Any) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]

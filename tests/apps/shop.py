@@ -16,11 +16,11 @@ from celery import Celery
 from sqlalchemy import insert
 
 import celery_guard
-from celery_guard import BY_ARGUMENTS, GuardedTask
+from celery_guard import BY_ARGUMENTS
 from celery_guard import signals as guard_signals
 from tests.apps.shop_tables import effects, metadata, retry_log
 
-__all__ = ["app", "effects", "metadata", "producer_app", "retry_log"]
+__all__ = ["app", "effects", "metadata", "retry_log"]
 
 app = Celery(
     "shop",
@@ -259,30 +259,3 @@ if os.environ.get("CG_LATE_TASK"):
     def late(self: Any, tag: str) -> str:
         write_effect(self, tag)
         return tag
-
-
-def producer_app(broker_url: str, store_url: str, **conf: Any) -> Celery:
-    """A producer of the shop's tasks with a config of its own (a web process, say): an app
-    registering the same task names, functions and key options, installed with ``conf``.
-
-    Unlike ``app``, which reads the environment once at import, each call makes a new app, so a
-    test or the soak can point one at its own broker and store.
-    """
-    producer = Celery(
-        "shop-producer",
-        broker=broker_url,
-        set_as_current=False,
-        task_cls="celery_guard:GuardedTask",
-    )
-    producer.conf.update(guard_store_url=store_url, guard_metrics_port=None, **conf)
-    for name, task in app.tasks.items():
-        if not name.startswith("shop.") or not isinstance(task, GuardedTask):
-            continue
-        cls = type(task)
-        producer.task(
-            name=name,
-            bind=not isinstance(cls.__dict__.get("run"), staticmethod),
-            idempotency_key=cls.idempotency_key,
-        )(cls.run)
-    celery_guard.install(producer)
-    return producer

@@ -18,7 +18,7 @@ import celery_guard
 from celery_guard import outbox
 from celery_guard.store import SqlStore
 from celery_guard.store.base import PublishRecord
-from tests.apps.shop import producer_app
+from tests.apps.shop_producer import producer_app
 from tests.rig.faultproxy import FaultProxy
 from tests.rig.ports import free_port
 from tests.rig.procs import wait_until
@@ -79,7 +79,7 @@ def test_each_guarded_publish_is_recorded_under_the_key_its_worker_will_use(
     later = producer.send("shop.record", f"{tag}-eta", countdown=120, expires=3600)
     by_name = producer.app.send_task("shop.record", args=(f"{tag}-name",), queue=producer.queue)
     producer.app.send_task("shop.not_here", args=(tag,), queue=producer.queue)
-    plain = producer.app.task(name="plain.echo", base=Task)(echo)
+    plain = producer.app.task(name="plain.echo", base=Task, shared=False)(echo)
     plain.apply_async((tag,), queue=producer.queue)
 
     records = producer.records()
