@@ -48,6 +48,7 @@ import sqlalchemy  # noqa: E402
 from sqlalchemy import create_engine, event, text  # noqa: E402
 
 import celery_guard  # noqa: E402
+from bench.cpu import PART_TITLES, CpuSnapshot  # noqa: E402
 from celery_guard import get_runtime  # noqa: E402
 from tests.rig import procs  # noqa: E402
 from tests.rig.servers import PostgresServer, RedisServer  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=2000, help="messages per run (default 2000)")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (2)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per variant; median (3)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per variant; median (5)")
     parser.add_argument("--prefetch", type=int, default=4, help="worker_prefetch_multiplier (4)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per run")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -87,9 +88,12 @@ def main() -> None:
         get_runtime(bench.app).store.dispose()
 
         runs: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        cpu: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
         for repeat in range(args.repeats):  # interleaved, so drift hits every variant alike
             for name in VARIANTS:
-                seconds = run_once(bench, name, repeat, args, env, postgres, redis_server)
+                seconds = run_once(
+                    bench, name, repeat, args, env, postgres, redis_server, cpu[name]
+                )
                 runs[name].append(seconds)
                 print(f"run {repeat + 1}/{args.repeats} {name:15s} {args.tasks / seconds:8.1f}/s")
         trips = measure_in_process(bench, postgres)
@@ -101,7 +105,7 @@ def main() -> None:
             redis_server.stop()
     wall = time.monotonic() - started
 
-    section = render(args, runs, trips, info, command, wall)
+    section = render(args, runs, cpu, trips, info, command, wall)
     print("\n" + section)
     write_section(args.output, section)
     print(f"written to {args.output}; total wall time {wall:.0f} s")
@@ -118,8 +122,13 @@ def run_once(
     env: dict[str, str],
     postgres: PostgresServer,
     redis_server: RedisServer,
+    cpu: list[dict[str, float]] | None = None,
 ) -> float:
-    """Publish ``args.tasks`` messages, drain them with one worker; seconds first start→last end."""
+    """Publish ``args.tasks`` messages, drain them with one worker; seconds first start→last end.
+
+    With ``cpu``, appends the CPU µs per task each part of the machine spent while the middle
+    80% of the messages were processed (start-up and the tail left out).
+    """
     queue = f"bench.{name}.{repeat}"  # a fresh queue per run: nothing left over from another
     reset_database(postgres.url)
     with redis_server.client(1) as counter, redis_server.client(0) as broker:
@@ -142,10 +151,15 @@ def run_once(
         try:
             worker.start(wait_ready=False)
 
+            marks: list[tuple[int, CpuSnapshot]] = []  # (tasks done, CPU) at 10% and 90%
+
             def all_done() -> bool:
                 if not worker.is_alive():
                     raise RuntimeError(f"worker exited with code {worker.returncode}")
-                return int(counter.get(bench.DONE_KEY) or 0) >= args.tasks
+                done = int(counter.get(bench.DONE_KEY) or 0)
+                if cpu is not None and done >= args.tasks * (0.1, 0.9, 2)[len(marks)]:
+                    marks.append((done, CpuSnapshot.take(worker.pid, worker.child_pids())))
+                return bool(done >= args.tasks)
 
             try:
                 procs.wait_until(all_done, args.timeout, f"{args.tasks} {name} tasks", 0.02)
@@ -155,6 +169,9 @@ def run_once(
                     f"{name}: {done}/{args.tasks} tasks done: {exc}\n--- worker log tail ---\n"
                     + procs.log_tail(worker.log_path)
                 ) from None
+            if cpu is not None and len(marks) == 2:
+                (done_before, before), (done_after, after) = marks
+                cpu.append(before.per_task_micros(after, done_after - done_before))
             first = float(counter.get(bench.FIRST_START_KEY) or "nan")
             last = float(counter.get(bench.LAST_END_KEY) or "nan")
         finally:
@@ -326,6 +343,7 @@ def code_revision() -> str:
 def render(
     args: argparse.Namespace,
     runs: dict[str, list[float]],
+    cpu: dict[str, list[dict[str, float]]],
     trips: dict[str, dict[str, float]],
     info: dict[str, str],
     command: str,
@@ -358,6 +376,7 @@ def render(
         out.append(
             f"| {name} | {args.tasks} | {seconds:.2f} | {rate[name]:.0f} | {shown} | {every} |"
         )
+    out += render_cpu(cpu)
     # The eager timing first, then client counters, then what the server saw.
     kinds = sorted(
         {kind for counts in trips.values() for kind in counts},
@@ -407,6 +426,42 @@ def render(
     ]
     out += [f"- {key}: {value}" for key, value in info.items()]
     return "\n".join(out) + "\n"
+
+
+def render_cpu(cpu: dict[str, list[dict[str, float]]]) -> list[str]:
+    """Where the CPU went, per task, by process (median over the runs)."""
+    if not all(cpu.values()):
+        return []
+    parts = list(PART_TITLES)
+    out = [
+        "",
+        "### Where the CPU goes",
+        "",
+        "CPU time (user + system, from /proc) per task while the middle 80% of each run's "
+        "messages were processed, median over the runs, in µs. Every part shares the same "
+        "cores: *whole machine* is all CPUs' busy time (/proc/stat), so it also holds the "
+        "benchmark's own polling and anything else running. A plain task's worker main "
+        "process (kombu reading, acknowledging, dispatching to the pool) is its bottleneck; "
+        "a guarded task adds the claim and the completion in the pool process and in "
+        "PostgreSQL, on the same cores.",
+        "",
+        "| Variant | " + " | ".join(PART_TITLES[part] for part in parts) + " |",
+        "|---|" + "---:|" * len(parts),
+    ]
+    medians = {
+        name: {part: statistics.median(run[part] for run in runs) for part in parts}
+        for name, runs in cpu.items()
+    }
+    for name in VARIANTS:
+        out.append(
+            f"| {name} | " + " | ".join(f"{medians[name][part]:.0f}" for part in parts) + " |"
+        )
+    for plain, guarded in PAIRS:
+        added = " | ".join(
+            f"{medians[guarded][part] - medians[plain][part]:+.0f}" for part in parts
+        )
+        out.append(f"| *{guarded} minus {plain}* | {added} |")
+    return out
 
 
 def write_section(path: Path, section: str, heading: str = HEADING) -> None:

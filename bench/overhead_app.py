@@ -11,6 +11,7 @@ Completion is detected the same way for all four tasks: ``task_prerun`` records 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ app.conf.update(
     worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "4")),
     broker_connection_retry_on_startup=True,
 )
+# Extra guard_* settings for experiments, e.g. BENCH_GUARD_CONF='{"guard_metrics_port": null}'.
+app.conf.update(json.loads(os.environ.get("BENCH_GUARD_CONF") or "{}"))
 celery_guard.install(app)
 
 metadata = MetaData()

@@ -46,8 +46,9 @@ SMOKE_ARGS = {
 }
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600
-#: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes).
-NOT_BENCHMARKS = {"__init__", "run_all", "soak"}
+#: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes);
+#: ``cpu`` is a helper module of the benchmarks, not one.
+NOT_BENCHMARKS = {"__init__", "run_all", "soak", "cpu"}
 VERSIONED = {
     "celery": "celery",
     "kombu": "kombu",

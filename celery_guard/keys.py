@@ -169,20 +169,25 @@ def key_from_option(
     fun: Callable[..., Any],
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
+    arguments: Mapping[str, Any] | None = None,
 ) -> str | None:
-    """The key a task option yields for these arguments, or ``None`` when there is no option."""
+    """The key a task option yields for these arguments, or ``None`` when there is no option.
+
+    ``arguments`` is ``bind_arguments(fun, args, kwargs)`` when the caller has it already.
+    """
     if option is None:
         return None
+    if option is BY_ARGUMENTS or isinstance(option, str):
+        bound = bind_arguments(fun, args, kwargs) if arguments is None else arguments
     if option is BY_ARGUMENTS:
-        return f"{task_name}:{payload_fingerprint(task_name, bind_arguments(fun, args, kwargs))}"
+        return f"{task_name}:{payload_fingerprint(task_name, bound)}"
     if isinstance(option, str):
-        arguments = bind_arguments(fun, args, kwargs)
         try:
-            key = option.format(*args, **arguments)
+            key = option.format(*args, **bound)
         except (KeyError, IndexError, AttributeError, ValueError) as exc:
             raise InvalidIdempotencyKey(
                 f"task {task_name}: idempotency_key {option!r} cannot be formatted from the "
-                f"arguments {sorted(arguments)}: {exc!r}"
+                f"arguments {sorted(bound)}: {exc!r}"
             ) from None
         return validate_key(key)
     if callable(option):

@@ -295,13 +295,13 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
 
     def _delivery(self, request: Any, args: Any, kwargs: Any, config: GuardConfig) -> Delivery:
         headers = request.headers or {}
+        arguments = bind_arguments(self.run, args, kwargs)
         key, source = resolve_key(
             headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None),
             headers.get(HEADER_KEY_SOURCE) or getattr(request, HEADER_KEY_SOURCE, None),
-            lambda: self._key_from_option(args, kwargs),
+            lambda: self._key_from_option(args, kwargs, arguments),
             request.id,
         )
-        arguments = bind_arguments(self.run, args, kwargs)
         try:
             fingerprint: str | None = payload_fingerprint(self.name, arguments)
         except GuardError:
@@ -357,9 +357,16 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         policy = get_runtime(self.app).config.error_policy
         return policy.with_layer(self.transient_errors, self.permanent_errors).classify(exc)
 
-    def _key_from_option(self, args: Any, kwargs: Any) -> str | None:
+    def _key_from_option(
+        self, args: Any, kwargs: Any, arguments: dict[str, Any] | None = None
+    ) -> str | None:
         return key_from_option(
-            self.idempotency_key, task_name=self.name, fun=self.run, args=args, kwargs=kwargs
+            self.idempotency_key,
+            task_name=self.name,
+            fun=self.run,
+            args=args,
+            kwargs=kwargs,
+            arguments=arguments,
         )
 
     def _republish_message(

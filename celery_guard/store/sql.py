@@ -8,6 +8,7 @@ writer waits for the lock (``busy_timeout``) instead of failing on a read-to-wri
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -99,6 +100,8 @@ class SqlStore:
         self._engine: Engine | None = None
         self._engine_pid: int | None = None
         self._schema_ready = False
+        #: PostgreSQL: this process's connection for the per-delivery statements (see _hot).
+        self._hot = _HotConnection()
         self.dialect_name = make_url(config.store_url).get_backend_name()
         self._observing = threading.local()  # a call inside a call is not counted twice
         #: id(statement) -> (statement, driver SQL, fixed parameters); statements are built once.
@@ -132,6 +135,7 @@ class SqlStore:
     def reset_after_fork(self) -> None:
         """Forget the parent's engine; called from ``worker_process_init``."""
         with self._lock:
+            self._hot.forget()
             if self._engine is not None and self._engine_pid != os.getpid():
                 self._engine.dispose(close=False)
                 self._engine = None
@@ -140,6 +144,7 @@ class SqlStore:
     def dispose(self) -> None:
         """Close this process's connections (before a fork, or at shutdown)."""
         with self._lock:
+            self._hot.close()
             if self._engine is not None and self._engine_pid == os.getpid():
                 self._engine.dispose()
             self._engine = None
@@ -231,7 +236,11 @@ class SqlStore:
         """
         statement = _complete_statement(retention is not None)
         parameters = {"p_key": key, "p_token": token, "p_result": result, "p_retention": retention}
-        if connection is not None:
+        if connection is not None and self.dialect_name == "postgresql":
+            rowcount = self._observed(
+                lambda: self._execute_in_transaction(connection, statement, parameters)
+            )
+        elif connection is not None:
             rowcount = self._call(lambda: connection.execute(statement, parameters).rowcount)
         else:
             rowcount = self._call(lambda: self._execute_hot(statement, parameters))[1]
@@ -601,50 +610,43 @@ class SqlStore:
 
         On PostgreSQL they skip SQLAlchemy's per-execution work (compiling the cache key,
         building result metadata for 20-odd columns, switching the connection to autocommit
-        and back through the dialect): the SQL is compiled once per statement and runs on the
-        pooled psycopg connection itself, which psycopg prepares server-side after a few
-        executions. That work was about half of celery_guard's cost per task (bench/overhead.py).
-        Errors are re-raised as SQLAlchemy's, so :meth:`_call` treats both paths alike.
+        and back through the dialect): the SQL is compiled once per statement and runs on a
+        psycopg connection kept in autocommit for them (one per process, :class:`_HotConnection`),
+        which psycopg prepares server-side after a few executions. The pool's checkout, reset
+        and checkin and the autocommit switches were a third of what remained of celery_guard's
+        own CPU per task (bench/overhead.py). Errors are re-raised as SQLAlchemy's, so
+        :meth:`_call` treats both paths alike.
         """
         if self.dialect_name != "postgresql":
             return self._execute_single(statement, parameters)
         engine = self._ready_engine()
         sql, defaults = self._compiled(engine, statement)
         values = {**defaults, **parameters}
-        try:
-            pooled = engine.raw_connection()
-        except psycopg.Error as exc:
-            # The pool's own connect: SQLAlchemy wraps this only on its Connection path.
-            raise sa_exc.DBAPIError.instance(
-                None, None, exc, psycopg.Error, dialect=engine.dialect
-            ) from exc
+        hot = self._hot
+        if hot.try_acquire():
+            try:
+                try:
+                    return self._run_hot(engine, hot.connection(engine), statement, sql, values)
+                except sa_exc.DBAPIError as exc:
+                    if exc.connection_invalidated:
+                        hot.drop()
+                    raise
+            finally:
+                hot.lock.release()
+        # Another thread of this process (a thread or gevent pool) holds the hot connection:
+        # borrow one from the pool for this statement, and give it back as it was lent.
+        pooled = _raw_connection(engine)
         try:
             connection: Any = pooled.driver_connection
+            connection.autocommit = True
             try:
-                connection.autocommit = True
-                with connection.cursor() as cursor, self._watchdog.watching(connection):
-                    cursor.execute(sql, values)
-                    rows: list[dict[str, Any]] = []
-                    names = self._column_names(statement, cursor)
-                    if names is not None:
-                        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-                    rowcount = int(cursor.rowcount)
-            except psycopg.Error as exc:
-                error: Any = exc
-                disconnected = engine.dialect.is_disconnect(error, connection, None)
-                if disconnected:
-                    pooled.invalidate(exc)
-                raise sa_exc.DBAPIError.instance(
-                    sql,
-                    values,
-                    exc,
-                    psycopg.Error,
-                    connection_invalidated=disconnected,
-                    dialect=engine.dialect,
-                ) from exc
+                return self._run_hot(engine, connection, statement, sql, values)
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated:
+                    pooled.invalidate(exc.orig)
+                raise
             finally:
-                # The pooled connection goes back as SQLAlchemy lent it, whatever happened:
-                # left in autocommit, a task's own transaction() on it would commit each write.
+                # Left in autocommit, a task's own transaction() on it would commit each write.
                 if not connection.closed:
                     try:
                         connection.autocommit = False
@@ -652,7 +654,50 @@ class SqlStore:
                         pooled.invalidate(exc)
         finally:
             pooled.close()
-        return rows, rowcount
+
+    def _execute_in_transaction(
+        self, connection: Connection, statement: Any, parameters: dict[str, Any]
+    ) -> int:
+        """The completion marker inside a task's open transaction; returns the rowcount.
+
+        Run on the driver connection under SQLAlchemy's transaction, like :meth:`_execute_hot`
+        (SQLAlchemy's own execute was most of the marker's client cost). Never resent: after a
+        lost connection the transaction is gone, and the delivery is deferred instead.
+        """
+        engine = connection.engine
+        sql, defaults = self._compiled(engine, statement)
+        values = {**defaults, **parameters}
+        try:
+            return self._run_hot(
+                engine, connection.connection.dbapi_connection, statement, sql, values
+            )[1]
+        except sa_exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                connection.invalidate(exc.orig)
+            raise _wrap(exc, self.config) from exc
+
+    def _run_hot(
+        self, engine: Engine, connection: Any, statement: Any, sql: str, values: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], int]:
+        """One statement on a psycopg connection in autocommit; errors as SQLAlchemy's."""
+        try:
+            with connection.cursor() as cursor, self._watchdog.watching(connection):
+                cursor.execute(sql, values)
+                rows: list[dict[str, Any]] = []
+                names = self._column_names(statement, cursor)
+                if names is not None:
+                    rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+                return rows, int(cursor.rowcount)
+        except psycopg.Error as exc:
+            error: Any = exc
+            raise sa_exc.DBAPIError.instance(
+                sql,
+                values,
+                exc,
+                psycopg.Error,
+                connection_invalidated=engine.dialect.is_disconnect(error, connection, None),
+                dialect=engine.dialect,
+            ) from exc
 
     def _column_names(self, statement: Any, cursor: Any) -> list[str] | None:
         """The result's column names, read once per statement: psycopg builds a Column object
@@ -1336,6 +1381,81 @@ _CLOCKS = {
     "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
     "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
 }
+
+
+def _raw_connection(engine: Engine) -> Any:
+    """A pooled DBAPI connection; a refused connect raised as SQLAlchemy's DBAPIError."""
+    try:
+        return engine.raw_connection()
+    except psycopg.Error as exc:
+        # The pool's own connect: SQLAlchemy wraps this only on its Connection path.
+        raise sa_exc.DBAPIError.instance(
+            None, None, exc, psycopg.Error, dialect=engine.dialect
+        ) from exc
+
+
+class _HotConnection:
+    """One PostgreSQL connection per process, kept in autocommit for claim, complete, release.
+
+    It is checked out of the engine's pool once and detached from it, so it does not count
+    against ``pool_size`` (a task's own ``transaction()`` still borrows from the pool) and is
+    not reset on every statement. A thread that finds it busy uses the pool instead, so a
+    threaded or gevent pool never holds more than one extra connection per process. A forked
+    child forgets its parent's without closing it: psycopg does not end a connection from a
+    process other than the one that opened it.
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self.lock = threading.Lock()
+        self._connection: Any = None
+
+    def try_acquire(self) -> bool:
+        """Take the hot connection for one statement; False while another thread has it."""
+        if self._pid != os.getpid():
+            self.forget()
+        return self.lock.acquire(blocking=False)
+
+    def connection(self, engine: Engine) -> Any:
+        """This process's hot psycopg connection (after :meth:`try_acquire`)."""
+        connection = self._connection
+        if connection is None or connection.closed:
+            pooled = _raw_connection(engine)
+            try:
+                connection = pooled.dbapi_connection
+                pooled.detach()  # from now on ours to close, outside the pool's count
+            except BaseException:
+                pooled.close()
+                raise
+            try:
+                connection.autocommit = True
+            except BaseException:
+                connection.close()
+                raise
+            self._connection = connection
+        return connection
+
+    def drop(self) -> None:
+        """Close and forget the connection (it failed); the next call opens a new one."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+    def forget(self) -> None:
+        """After fork: the parent's connection (and a lock it may have held) are not ours."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self.lock = threading.Lock()
+            self._connection = None
+
+    def close(self) -> None:
+        """Close this process's hot connection (dispose)."""
+        if self._pid != os.getpid():
+            self.forget()
+            return
+        with self.lock:
+            self.drop()
 
 
 @functools.cache

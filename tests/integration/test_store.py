@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import Column, Integer, MetaData, Table, event, insert, select, text
+from sqlalchemy.engine import make_url
 
 from celery_guard import Fenced, GuardConfig, StoreError, StoreUnavailable
 from celery_guard.store import ClaimOutcome, ClaimRequest, KeyState, SqlStore
@@ -217,8 +218,8 @@ def test_a_claim_is_one_statement_on_postgresql(pg_url: str) -> None:
 
 
 def test_a_failed_claim_hands_its_connection_back_out_of_autocommit(pg_url: str) -> None:
-    """The hot path borrows a pooled connection in autocommit; an error must not leak that mode
-    into the next borrower (a task's transaction() would then commit each statement)."""
+    """The hot path runs in autocommit; an error must not leak that mode into a pooled
+    connection (a task's transaction() on it would then commit each statement)."""
     store = SqlStore(GuardConfig(store_url=pg_url))
     store.ensure_schema()
     try:
@@ -237,6 +238,54 @@ def test_a_failed_claim_hands_its_connection_back_out_of_autocommit(pg_url: str)
             assert connection.execute(text("SELECT to_regclass('pg_temp.t')")).scalar() is None
     finally:
         store.dispose()
+
+
+def test_the_hot_path_borrows_from_the_pool_while_its_connection_is_busy(pg_url: str) -> None:
+    """Another thread of the process (a threads or gevent pool) holding the hot connection:
+    the statement runs on a pooled connection, which goes back out of autocommit."""
+    store = SqlStore(GuardConfig(store_url=pg_url))
+    store.ensure_schema()
+    try:
+        token = store.claim(request(key="first")).record.fencing_token  # opens the hot one
+        assert store._hot.try_acquire()  # what a concurrent claim in another thread holds
+        try:
+            assert store.claim(request(key="second")).outcome is ClaimOutcome.CLAIMED
+            with pytest.raises(StoreError, match="too long"):
+                store.claim(request(key="k" * 300))
+        finally:
+            store._hot.lock.release()
+        assert store.engine.pool.checkedout() == 0, "both borrowed connections went back"
+        with store.connect() as connection:
+            assert connection.connection.driver_connection.autocommit is False
+        store.complete("first", token, "1", retention=60.0)  # the hot connection again
+        record = store.get("first")
+        assert record is not None and record.state == KeyState.COMPLETED.value
+    finally:
+        store.dispose()
+
+
+def test_the_hot_connection_is_replaced_after_the_server_drops_it(pg_url: str) -> None:
+    """A terminated backend (server restart, idle-connection reaper, failover): the next claim
+    notices the dead connection, opens a new one and succeeds, without the caller seeing it."""
+    store = SqlStore(GuardConfig(store_url=pg_url))
+    store.ensure_schema()
+    try:
+        store.claim(request(key="before"))
+        with psycopg.connect(_dsn(pg_url), autocommit=True) as admin:
+            killed = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'celery_guard' AND datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            ).fetchall()
+        assert killed, "the store had a connection to terminate"
+        assert store.claim(request(key="after")).outcome is ClaimOutcome.CLAIMED
+        assert store.claim(request(key="after")).outcome is ClaimOutcome.IN_FLIGHT
+    finally:
+        store.dispose()
+
+
+def _dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _claim_in_child(store: SqlStore, queue: Any) -> None:

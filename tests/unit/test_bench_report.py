@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from bench import peers, run_all
@@ -11,6 +12,12 @@ def test_run_all_finds_every_benchmark_in_bench_and_skips_app_modules() -> None:
     names = run_all.benchmarks()
     assert names[:3] == ["overhead", "recovery", "peers"]
     assert not [name for name in names if name.endswith("_app") or name == "run_all"]
+    # A benchmark is a script with a main(); helper modules (bench/cpu.py) are not run.
+    assert [name for name in names if not callable(getattr(_module(name), "main", None))] == []
+
+
+def _module(name: str) -> object:
+    return importlib.import_module(f"bench.{name}")
 
 
 def test_header_replaces_only_what_is_above_the_first_section(tmp_path: Path) -> None:
