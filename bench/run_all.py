@@ -42,6 +42,7 @@ SMOKE_ARGS = {
         " --load-tasks 20 --load-seconds 20 --window 3"
     ),
     "peers": ["--tasks", "200", "--repeats", "1"],
+    "publish_tracking": ["--publishes", "200", "--repeats", "1"],
 }
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600

@@ -25,6 +25,11 @@ so the broker transport lost them), double effects (tags with more than one effe
 0), dead letters (must be the planted pills only), and the recovery-time distribution: from a
 fault to the moment each key its victim was running was taken over by another owner (or
 completed).
+
+The Redis run turns publish tracking on (``guard_track_publishes``, in the producer and the
+workers, ``guard_unclaimed_republish_after`` = ``--unclaimed-after``), which closes the window
+in which kombu's Redis transport loses a message to a whole-worker SIGKILL; it reports how many
+messages the reaper re-published from tracking. ``--no-tracking`` runs it without, as before.
 """
 
 from __future__ import annotations
@@ -51,11 +56,13 @@ if str(ROOT) not in sys.path:  # so that ``tests.rig`` and ``bench`` import when
 from celery import Celery  # noqa: E402
 from sqlalchemy import create_engine, text  # noqa: E402
 
+import celery_guard  # noqa: E402
 from bench.overhead import machine_info, write_section  # noqa: E402
 from celery_guard import GuardConfig  # noqa: E402
 from celery_guard.store import metadata as guard_metadata  # noqa: E402
 from celery_guard.store.sql import SqlStore  # noqa: E402
 from tests.apps import shop_tables  # noqa: E402
+from tests.apps.shop_producer import producer_app  # noqa: E402
 from tests.rig import procs  # noqa: E402
 from tests.rig.faultproxy import FaultProxy  # noqa: E402
 from tests.rig.servers import PostgresServer, RabbitMQServer, RedisServer  # noqa: E402
@@ -133,9 +140,20 @@ class Soak:
         shop_tables.metadata.create_all(engine)
         engine.dispose()
         self.store = SqlStore(GuardConfig(store_url=self.store_url))
-        self.client = Celery(
-            "soak-client", broker=self.broker_url(broker_port), backend=redis.url_for(1)
-        )
+        #: Publish tracking on the Redis run: its producer records every publish too.
+        self.tracking = broker == "redis" and not args.no_tracking
+        if self.tracking:
+            self.client = producer_app(
+                self.broker_url(broker_port),
+                self.store_url,
+                result_backend=redis.url_for(1),
+                guard_track_publishes=True,
+                guard_unclaimed_republish_after=args.unclaimed_after,
+            )
+        else:
+            self.client = Celery(
+                "soak-client", broker=self.broker_url(broker_port), backend=redis.url_for(1)
+            )
         self.slots: list[Slot] = []
         self.faults: collections.Counter[str] = collections.Counter()
         self.recovery: dict[str, list[float]] = collections.defaultdict(list)
@@ -173,6 +191,8 @@ class Soak:
                 # A whole worker SIGKILLed with a message fetched but not yet claimed: only the
                 # broker knows it; kombu hands it out again after this (the default is an hour).
                 "CG_VISIBILITY_TIMEOUT": str(self.args.visibility_timeout),
+                "CG_TRACK_PUBLISHES": "1" if self.tracking else "0",
+                "CG_UNCLAIMED_REPUBLISH_AFTER": str(self.args.unclaimed_after),
             }
             self.slots.append(
                 Slot(index, store_proxy, broker_proxy, env, concurrency=self.args.concurrency)
@@ -406,11 +426,12 @@ class Soak:
         # celery_guard (in the broker transport); the others were claimed and then not finished.
         never_claimed = [tag for tag in lost if task_keys[tag] not in by_key]
         doubled = [tag for tag in self.sent_tags if effects.get(tag, 0) > 1]
-        fenced = sum(
-            worker.log_text().count("completion refused (fenced)")
+        logs = [
+            worker.log_text()
             for slot in self.slots
             for worker in [*slot.retired, *([slot.worker] if slot.worker else [])]
-        )
+        ]
+        fenced = sum(text.count("completion refused (fenced)") for text in logs)
         return {
             "tasks": len(self.sent_tags),
             "messages": self.messages,
@@ -426,6 +447,11 @@ class Soak:
                 (int(row[2]) for row in keys if row[0] not in self.pill_keys), default=0
             ),
             "fenced_commits": fenced,
+            # Publish tracking: messages no worker claimed, published again by the reaper.
+            "unclaimed_republished": sum(
+                text.count("re-published unclaimed publish") for text in logs
+            ),
+            "unclaimed_abandoned": sum(text.count("gave up on unclaimed publish") for text in logs),
         }
 
     def stop(self) -> None:
@@ -436,6 +462,8 @@ class Soak:
             slot.store_proxy.stop()
             slot.broker_proxy.stop()
         self.store.dispose()
+        if self.tracking:
+            celery_guard.get_runtime(self.client).store.dispose()
         self.client.close()
 
 
@@ -445,14 +473,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 BROKER_NOTES = {
-    "redis": "Redis broker (kombu's Redis transport, visibility timeout {vt:g} s)",
-    "rabbitmq": "RabbitMQ broker (AMQP, Debian's rabbitmq-server)",
+    "redis": "Redis broker (kombu's Redis transport, visibility timeout {vt:g} s{tracking})",
+    "rabbitmq": "RabbitMQ broker (AMQP, Debian's rabbitmq-server{tracking})",
 }
 
 
 def render_run(args: argparse.Namespace, soak: Soak, result: dict[str, Any], drained: float) -> str:
     ok = not result["lost"] and not result["doubled"] and not result["unexpected_dead"]
-    broker = BROKER_NOTES[soak.broker].format(vt=args.visibility_timeout)
+    tracking = (
+        f", publish tracking on: guard_unclaimed_republish_after {args.unclaimed_after:g} s"
+        if soak.tracking
+        else ""
+    )
+    broker = BROKER_NOTES[soak.broker].format(vt=args.visibility_timeout, tracking=tracking)
     out = [
         f"### {broker}",
         "",
@@ -474,6 +507,16 @@ def render_run(args: argparse.Namespace, soak: Soak, result: dict[str, Any], dra
         f"| keys completed by an owner that took them over | {result['takeovers']} | |",
         f"| late commits refused (fenced) | {result['fenced_commits']} | |",
         f"| most attempts on one key (pills aside) | {result['max_attempts_seen']} | |",
+        *(
+            [
+                "| messages re-published from publish tracking (never claimed) "
+                f"| {result['unclaimed_republished']} | |",
+                "| tracked publishes given up (re-published 3 times, never claimed) "
+                f"| {result['unclaimed_abandoned']} | 0 |",
+            ]
+            if soak.tracking
+            else []
+        ),
         "",
         f"Verdict: **{'PASS' if ok else 'FAIL'}**.",
         "",
@@ -507,7 +550,12 @@ def never_claimed_note(soak: Soak, result: dict[str, Any]) -> str:
         "No worker ever claimed the lost tasks (no key row). The fault nearest to each one's "
         f"publication: {', '.join(nearest)}."
     )
-    if soak.broker == "redis":
+    if soak.broker == "redis" and soak.tracking:
+        note += (
+            " Publish tracking was on: the reaper should have re-published them from their "
+            "records; check the workers' logs for 're-published unclaimed publish'."
+        )
+    elif soak.broker == "redis":
         note += (
             " kombu's Redis transport takes a message off the queue with BRPOP and only then "
             "records it as unacknowledged, in the worker; a worker SIGKILLed in between (or a "
@@ -540,7 +588,15 @@ def render(
         "or one worker's PostgreSQL or broker link blackholed, cut, slowed (0.2 s each way) or "
         "flapping (2 s period) for 3-8 s. Recovery: from the fault to the moment each key its "
         "victim was running was claimed by another owner (a new fencing token) or completed, "
-        "polled every 0.1 s.",
+        "polled every 0.1 s."
+        + (
+            ""
+            if args.no_tracking
+            else " The Redis run has publish tracking on (`guard_track_publishes`, in the "
+            "producer and the workers): every publish is recorded in the store first, and the "
+            "reaper re-publishes any that no worker claimed "
+            f"{args.unclaimed_after:g} s after it was due, once the queue has moved past it."
+        ),
         "",
         *runs,
         "### Machine and versions",
@@ -599,6 +655,15 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, default=8.0, help="seconds, at most")
     parser.add_argument("--max-attempts", type=int, default=8)
     parser.add_argument("--visibility-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--unclaimed-after",
+        type=float,
+        default=15.0,
+        help="guard_unclaimed_republish_after of the Redis run's publish tracking (15 s)",
+    )
+    parser.add_argument(
+        "--no-tracking", action="store_true", help="the Redis run without publish tracking"
+    )
     parser.add_argument("--recovery-cap", type=float, default=120.0)
     parser.add_argument("--drain-cap", type=float, default=900.0)
     parser.add_argument("--stall", type=float, default=150.0, help="drain gives up (150 s)")

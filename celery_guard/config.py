@@ -128,6 +128,15 @@ class GuardConfig:
     #: Mean store-call latency (seconds) in the window above which the pool shrinks too;
     #: ``None``: only timeouts count.
     adaptive_latency: float | None = None
+    #: Publish tracking (opt-in): a producer records each guarded publish in the store before
+    #: sending it (one INSERT), and the reaper re-publishes those no worker ever claimed: a
+    #: message the broker transport lost before any claim (kombu's Redis BRPOP window), or one
+    #: a whole worker took with it when SIGKILLed. Turn it on in producers and workers alike.
+    track_publishes: bool = False
+    #: Seconds a tracked publish may stay unclaimed past its due time (its ETA, if any) before
+    #: the reaper re-publishes it, and between two re-publishes of the same one. Longer than a
+    #: message normally waits in a queue or prefetched by a busy worker.
+    unclaimed_republish_after: float = 300.0
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
@@ -220,6 +229,11 @@ class GuardConfig:
         _check_number("guard_circuit_hold", self.circuit_hold, minimum=0.0)
         if self.adaptive_latency is not None:
             _check_number("guard_adaptive_latency", self.adaptive_latency, minimum=0.001)
+        if not isinstance(self.track_publishes, bool):
+            raise ConfigurationError(
+                f"guard_track_publishes must be True or False, got {self.track_publishes!r}"
+            )
+        _check_positive("guard_unclaimed_republish_after", self.unclaimed_republish_after)
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
 
@@ -315,6 +329,13 @@ def _check_number(name: str, value: object, *, minimum: float) -> None:
         raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
     if not math.isfinite(value) or value < minimum:
         raise ConfigurationError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{name} must be a finite number of seconds > 0, got {value!r}")
 
 
 def _check_ratio(name: str, value: object) -> None:

@@ -18,9 +18,11 @@ from celery_guard.config import GuardConfig
 from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.handler import GuardHandler
+from celery_guard.keys import HEADER_KEY
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.lease.liveness import ProcessLiveness
+from celery_guard.outbox import PublishTracker, preset_stamp
 from celery_guard.reaper import Reaper
 from celery_guard.sampling import PUBLISHED_AT_HEADER
 from celery_guard.store.sql import SqlStore
@@ -69,6 +71,12 @@ class GuardRuntime:
         )
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None
+        #: Publish tracking (``guard_track_publishes``): records this app's guarded publishes.
+        self.tracker: PublishTracker | None = (
+            PublishTracker(app, self.store, max_payload_bytes=config.max_payload_bytes)
+            if config.track_publishes
+            else None
+        )
         # -- backpressure (celery_guard.circuit): circuit breaker, adaptive concurrency --
         self.circuit = Circuit(config)
         self.circuit.watch(self.store, self.leases)
@@ -95,6 +103,8 @@ def install(app: Celery) -> GuardRuntime:
     signals.before_task_publish.connect(
         _stamp_publish_time, weak=False, dispatch_uid="celery_guard.published_at"
     )
+    if runtime.tracker is not None:
+        runtime.tracker.register()  # after the stamp: the record keeps the header's value
     _connect_worker_signals(app, runtime)
     app.steps["worker"].add(GuardStep)
     app.steps["worker"].add(CircuitStep)  # backpressure: the circuit's monitor
@@ -134,7 +144,7 @@ def get_runtime(app: Celery) -> GuardRuntime:
 def _stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """Every published message carries its publish time: queue lag and oldest-waiting age."""
     if headers is not None:
-        headers[PUBLISHED_AT_HEADER] = time.time()
+        headers[PUBLISHED_AT_HEADER] = preset_stamp() or time.time()
 
 
 def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
@@ -162,6 +172,20 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
         if getattr(sender, "app", app) is not app or message is None:
             return
         runtime.dead_letters.keep_unknown_task(name, id, message)
+        if runtime.tracker is not None:
+            # A dead letter now, replayed by an operator: no key row will ever forget it.
+            key = (getattr(message, "headers", None) or {}).get(HEADER_KEY) or id
+            runtime.tracker.forget(key, id, why="unknown task, kept as a dead letter")
+
+    def on_task_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+        # A revoked (or expired) message is discarded unrun: no claim will ever forget its
+        # record, and the reaper would send it again and again.
+        if runtime.tracker is None or getattr(sender, "app", None) is not app or request is None:
+            return
+        task_id = getattr(request, "id", None)
+        if task_id:
+            key = getattr(request, HEADER_KEY, None) or task_id
+            runtime.tracker.forget(key, task_id, why="revoked or expired before it ran")
 
     def on_worker_process_init(**_: Any) -> None:
         runtime.store.reset_after_fork()
@@ -174,5 +198,6 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
     # weak=False: these closures are only referenced by the signal.
     signals.worker_init.connect(on_worker_init, weak=False)
     signals.task_unknown.connect(on_task_unknown, weak=False)
+    signals.task_revoked.connect(on_task_revoked, weak=False)
     signals.worker_process_init.connect(on_worker_process_init, weak=False)
     signals.worker_process_shutdown.connect(on_worker_process_shutdown, weak=False)

@@ -22,6 +22,11 @@ from celery_guard.errors import ConfigurationError, InvalidIdempotencyKey, Unser
 #: Longest key the store's column holds.
 MAX_KEY_LENGTH: Final = 255
 
+#: Message headers carrying a key computed before the message was sent (per call, or the task
+#: option evaluated by the producer); prefixed so they never shadow a Celery ``Context`` field.
+HEADER_KEY: Final = "guard_idempotency_key"
+HEADER_KEY_SOURCE: Final = "guard_key_source"
+
 
 class _ByArguments:
     """Marker: derive the key from the task name and its canonical arguments."""
@@ -52,6 +57,28 @@ class KeySource(str, enum.Enum):
     CALL = "call"
     OPTION = "option"
     TASK_ID = "task_id"
+
+
+def resolve_key(
+    header_key: object,
+    header_source: object,
+    from_option: Callable[[], str | None],
+    task_id: str,
+) -> tuple[str, KeySource]:
+    """The key a delivery runs under, and where it came from.
+
+    One function for the worker (``GuardedTask``) and the producer (publish tracking), so both
+    name the same row: the key header if the message has one, else the task option over the
+    arguments, else the task id. Raises :class:`InvalidIdempotencyKey` (and, for
+    :data:`BY_ARGUMENTS`, :class:`UnserializableArguments`) when the key cannot be used.
+    """
+    if header_key is not None:
+        source = KeySource(header_source or KeySource.CALL.value)
+        return validate_key(header_key), source
+    key = from_option()
+    if key is not None:
+        return key, KeySource.OPTION
+    return task_id, KeySource.TASK_ID
 
 
 def check_key_option(task_name: str, option: object) -> None:

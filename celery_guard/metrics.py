@@ -188,6 +188,21 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         scope="worker",
     ),
     MetricSpec(
+        "celery_guard_unclaimed_republished",
+        "counter",
+        "Tracked publishes (guard_track_publishes) no worker claimed within "
+        "guard_unclaimed_republish_after of their due time, re-published by the reaper: "
+        "messages the broker transport lost before any claim, or a killed worker took along.",
+        scope="worker",
+    ),
+    MetricSpec(
+        "celery_guard_unclaimed_abandoned",
+        "counter",
+        "Tracked publishes the reaper gave up on after re-publishing them 3 times without a "
+        "claim (logged at ERROR): workers that never claim the task.",
+        scope="worker",
+    ),
+    MetricSpec(
         "celery_guard_dead_owner_takeovers",
         "counter",
         "Leases ended early because their owner process was found dead (liveness lock gone).",
@@ -491,7 +506,13 @@ class LeaseMetrics:
         metrics["celery_guard_lease_progress_age_seconds"].set(oldest_progress_age)
 
 
-def record_reaper_pass(recovered_for: list[float], dead_owners: int) -> None:
+def record_reaper_pass(
+    recovered_for: list[float],
+    dead_owners: int,
+    *,
+    unclaimed_republished: int = 0,
+    unclaimed_abandoned: int = 0,
+) -> None:
     """What one reaper pass did (worker's main process)."""
     metrics = process_metrics()
     for seconds in recovered_for:
@@ -499,6 +520,10 @@ def record_reaper_pass(recovered_for: list[float], dead_owners: int) -> None:
         metrics["celery_guard_orphan_recovery_seconds"].observe(seconds)
     if dead_owners:
         metrics["celery_guard_dead_owner_takeovers"].inc(dead_owners)
+    if unclaimed_republished:
+        metrics["celery_guard_unclaimed_republished"].inc(unclaimed_republished)
+    if unclaimed_abandoned:
+        metrics["celery_guard_unclaimed_abandoned"].inc(unclaimed_abandoned)
 
 
 def declare_series(task_names: list[str]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from celery_guard import serialization
 from celery_guard.errors import StoreError
 from celery_guard.lease.backends import LeaseBackend
+from celery_guard.outbox import OutboxReport, UnclaimedRepublisher
 from celery_guard.republish import republish
 from celery_guard.store.base import KeyRecord
 from celery_guard.store.sql import SqlStore
@@ -45,6 +46,8 @@ class ReaperReport:
     pruned: int = 0
     #: Keys whose owner process was found dead (liveness lock gone) and taken over early.
     dead_owners: list[str] = field(default_factory=list)
+    #: Publish tracking (``guard_track_publishes``): what this pass did with the records.
+    outbox: OutboxReport | None = None
 
 
 class Reaper:
@@ -63,6 +66,7 @@ class Reaper:
         on_pass: Callable[[], None] | None = None,
         on_leader_pass: Callable[[], None] | None = None,
         on_report: Callable[[ReaperReport], None] | None = None,
+        outbox: UnclaimedRepublisher | None = None,
     ) -> None:
         #: Whether this worker competes for the reaper's lease (``guard_reaper_enabled``);
         #: when not, the loop only runs ``on_pass`` (the worker's own heartbeat).
@@ -70,6 +74,8 @@ class Reaper:
         self.on_pass = on_pass
         self.on_leader_pass = on_leader_pass
         self.on_report = on_report
+        #: Publish tracking's part of the holder's pass, when tracking is on.
+        self.outbox = outbox
         #: Whether the last pass held the lease.
         self.leader = False
         self.app = app
@@ -111,7 +117,14 @@ class Reaper:
             for record in candidates:
                 if record.key not in alive:
                     self._recover(record, now, report)
-            report.pruned = self.store.prune_completed(limit=1000)
+            tracking = self.outbox
+            if tracking is None or self._outbox_step(report, tracking.forget_claimed):
+                # With tracking, a key is pruned only once its tracked publish is forgotten.
+                report.pruned = self.store.prune_completed(
+                    limit=1000, keep_tracked=tracking is not None
+                )
+                if tracking is not None:
+                    self._outbox_step(report, tracking.republish_due)
         except StoreError as exc:
             self.leader = False
             logger.warning("celery_guard reaper pass failed: %s", exc)
@@ -126,7 +139,29 @@ class Reaper:
                 len(report.unrecoverable),
                 report.pruned,
             )
+        outbox = report.outbox
+        if outbox is not None and (outbox.republished or outbox.abandoned or outbox.postponed):
+            logger.info(
+                "celery_guard reaper, tracked publishes: forgotten=%d republished=%d "
+                "still_queued=%d abandoned=%d",
+                outbox.forgotten,
+                len(outbox.republished),
+                outbox.postponed,
+                len(outbox.abandoned),
+            )
         return report
+
+    def _outbox_step(self, report: ReaperReport, step: Callable[[OutboxReport], None]) -> bool:
+        """One step of publish tracking; its store failure (a table your migrations have not
+        created yet, say) is logged without ending the pass's other work or the sampling."""
+        if report.outbox is None:
+            report.outbox = OutboxReport()
+        try:
+            step(report.outbox)
+        except StoreError as exc:
+            logger.warning("celery_guard reaper: publish tracking failed this pass: %s", exc)
+            return False
+        return True
 
     def _take_over_dead_owners(self, report: ReaperReport) -> None:
         """End the leases of keys whose owner process is gone (its liveness lock vanished)."""
@@ -189,6 +224,8 @@ class Reaper:
             self.store.resign_leadership(LEADER_NAME, self.holder)
         except StoreError as exc:
             logger.info("celery_guard reaper could not resign: %s", exc)
+        if self.outbox is not None:
+            self.outbox.close()
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_guard.outbox import untracked
+
 
 def republish(app: Any, message: dict[str, Any]) -> None:
     """Send the task of a stored message again: same name, arguments, headers, id and routing.
@@ -22,10 +24,14 @@ def republish(app: Any, message: dict[str, Any]) -> None:
         options["routing_key"] = routing_key
     if message.get("priority") is not None:
         options["priority"] = message["priority"]
-    app.send_task(
-        message["task"],
-        args=message.get("args") or [],
-        kwargs=message.get("kwargs") or {},
-        task_id=message.get("id"),
-        **options,
-    )
+    if message.get("expires"):
+        options["expires"] = message["expires"]
+    # The store knows this key already (its row, or a tracked publish): never record it again.
+    with untracked():
+        app.send_task(
+            message["task"],
+            args=message.get("args") or [],
+            kwargs=message.get("kwargs") or {},
+            task_id=message.get("id"),
+            **options,
+        )

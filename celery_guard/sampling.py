@@ -95,15 +95,28 @@ class Sampler:
 def _redis_oldest_age(channel: Any, queue: str, now: float) -> float | None:
     """Age of the oldest message in a kombu Redis queue, from its publish-time header.
 
+    Other transports: ``None`` (AMQP cannot peek without taking the message).
+    """
+    stamps = redis_oldest_stamps(channel, queue)
+    known = [stamp for stamp in stamps or () if stamp is not None]
+    if not known:
+        return None
+    return max(0.0, now - min(known))
+
+
+def redis_oldest_stamps(channel: Any, queue: str) -> list[float | None] | None:
+    """The publish-time header of the oldest waiting message of each non-empty priority list
+    of a kombu Redis queue (``None`` for a message without one); ``None`` if not Redis.
+
     kombu's Redis transport LPUSHes and BRPOPs (kombu/transport/redis.py ``_put``/``_brpop``),
     so each priority list's oldest message is its last element: LINDEX -1 reads it without
-    taking it. Other transports: ``None`` (AMQP cannot peek without taking the message).
+    taking it.
     """
     q_for_pri = getattr(channel, "_q_for_pri", None)
     steps = getattr(channel, "priority_steps", None)
     if q_for_pri is None or steps is None:
         return None
-    oldest: float | None = None
+    stamps: list[float | None] = []
     client = channel.client
     for priority in steps:
         raw = client.lindex(q_for_pri(queue, priority), -1)
@@ -111,9 +124,7 @@ def _redis_oldest_age(channel: Any, queue: str, now: float) -> float | None:
             continue
         try:
             headers = json.loads(raw).get("headers") or {}
-            published = float(headers[PUBLISHED_AT_HEADER])
+            stamps.append(float(headers[PUBLISHED_AT_HEADER]))
         except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-        age = max(0.0, now - published)
-        oldest = age if oldest is None else max(oldest, age)
-    return oldest
+            stamps.append(None)
+    return stamps

@@ -26,6 +26,8 @@ from celery_guard.execution import Execution
 from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater, oversize
 from celery_guard.install import get_runtime
 from celery_guard.keys import (
+    HEADER_KEY,
+    HEADER_KEY_SOURCE,
     KeyOption,
     KeySource,
     bind_arguments,
@@ -33,6 +35,7 @@ from celery_guard.keys import (
     check_key_option,
     key_from_option,
     payload_fingerprint,
+    resolve_key,
     validate_key,
 )
 from celery_guard.policy import ErrorClass, import_classes
@@ -41,9 +44,8 @@ from celery_guard.store.base import DeadLetter
 
 logger = logging.getLogger("celery_guard")
 
-#: Message headers celery_guard sets; prefixed so they never shadow a Celery ``Context`` field.
-HEADER_KEY = "guard_idempotency_key"
-HEADER_KEY_SOURCE = "guard_key_source"
+#: Message headers celery_guard sets (the key's two live in keys.py); prefixed so they never
+#: shadow a Celery ``Context`` field.
 HEADER_DEFERRALS = "guard_deferrals"
 #: Epoch seconds at publish, stamped on every message (queue lag = claim time - this).
 HEADER_PUBLISHED_AT = PUBLISHED_AT_HEADER
@@ -294,19 +296,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     def _delivery(self, request: Any, args: Any, kwargs: Any, config: GuardConfig) -> Delivery:
         headers = request.headers or {}
         arguments = bind_arguments(self.run, args, kwargs)
-        key = headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None)
-        if key is not None:
-            source = KeySource(
-                headers.get(HEADER_KEY_SOURCE)
-                or getattr(request, HEADER_KEY_SOURCE, None)
-                or KeySource.CALL.value
-            )
-            key = validate_key(key)
-        else:
-            key = self._key_from_option(args, kwargs, arguments)
-            source = KeySource.OPTION
-        if key is None:
-            key, source = request.id, KeySource.TASK_ID
+        key, source = resolve_key(
+            headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None),
+            headers.get(HEADER_KEY_SOURCE) or getattr(request, HEADER_KEY_SOURCE, None),
+            lambda: self._key_from_option(args, kwargs, arguments),
+            request.id,
+        )
         try:
             fingerprint: str | None = payload_fingerprint(self.name, arguments)
         except GuardError:

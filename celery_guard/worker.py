@@ -13,6 +13,7 @@ from celery_guard import metrics
 from celery_guard.circuit.breaker import CircuitState
 from celery_guard.errors import StoreError
 from celery_guard.metrics import MetricsServer, WorkerSnapshot, build_registry
+from celery_guard.outbox import UnclaimedRepublisher
 from celery_guard.reaper import Reaper, ReaperReport
 from celery_guard.sampling import Sample, Sampler
 from celery_guard.worker_state import WorkerState, combine_state
@@ -57,6 +58,13 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
             on_pass=monitor.beat,
             on_leader_pass=monitor.sample,
             on_report=monitor.record_report,
+            outbox=(
+                UnclaimedRepublisher(
+                    parent.app, runtime.store, after=config.unclaimed_republish_after
+                )
+                if config.track_publishes
+                else None
+            ),
         )
         self.reaper.start()
         runtime.reaper = self.reaper
@@ -186,7 +194,13 @@ class WorkerMonitor:
     def record_report(self, report: ReaperReport) -> None:
         if not report.leader:
             self.sample_ = None  # only the holder exports the sampled series
-        metrics.record_reaper_pass(report.orphaned_for, len(report.dead_owners))
+        outbox = report.outbox
+        metrics.record_reaper_pass(
+            report.orphaned_for,
+            len(report.dead_owners),
+            unclaimed_republished=0 if outbox is None else len(outbox.republished),
+            unclaimed_abandoned=0 if outbox is None else len(outbox.abandoned),
+        )
 
     def _circuit_name(self) -> str | None:
         circuit = self.runtime.circuit

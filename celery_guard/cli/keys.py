@@ -68,6 +68,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
             "lease_remaining_seconds": _secs(remaining),
         }
     total, pending = store.count_dead_letters()
+    unclaimed: dict[str, Any] | None = None
+    if runtime.config.track_publishes:
+        count, oldest_age = store.unclaimed_publishes()
+        unclaimed = {"count": count, "oldest_age_seconds": _secs(oldest_age)}
     report: dict[str, Any] = {
         "store": runtime.config.safe_store_url(),
         "lease_backend": "redis" if redis_leases else "sql",
@@ -77,6 +81,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         "running_without_live_lease": without_lease,
         "reaper": _reaper_info(runtime, now),
         "dead_letters": {"total": total, "not_replayed": pending},
+        # Publish tracking: published, never claimed yet (None when tracking is off).
+        "unclaimed_publishes": unclaimed,
         # Redis leases only: what runs now, read from Redis beside the leases (for people;
         # never used to decide anything). Bodies shorter than one renewal interval don't show.
         "live": _live_info(runtime, now) if redis_leases else None,
@@ -123,6 +129,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
                 ("RUNNING, no live lease", f"{without_lease} ({lease_kind})"),
                 ("reaper", _reaper_line(report["reaper"])),
                 ("dead letters", f"{total} total, {pending} not replayed"),
+                ("unclaimed publishes", _unclaimed_line(unclaimed)),
                 ("workers", _workers_line(report["workers"])),
                 *(
                     [("running now (Redis)", _live_line(report["live"]))]
@@ -131,6 +138,17 @@ def status(ctx: click.Context, as_json: bool) -> None:
                 ),
             ]
         )
+    )
+
+
+def _unclaimed_line(unclaimed: dict[str, Any] | None) -> str:
+    if unclaimed is None:
+        return "not tracked (guard_track_publishes is off)"
+    if not unclaimed["count"]:
+        return "none (every tracked publish was claimed)"
+    return (
+        f"{unclaimed['count']} published and not claimed yet, oldest "
+        f"{_human_secs(unclaimed['oldest_age_seconds'])} ago"
     )
 
 

@@ -127,3 +127,32 @@ class WorkerRecord:
     expires_at: float
     #: Whether the heartbeat is fresh (``expires_at`` later than the database's now).
     alive: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishRecord:
+    """A tracked publish (``celery_guard_published``); times by the database's clock except
+    ``publisher_stamp``, which is the producer's ``guard_published_at`` header."""
+
+    key: str
+    task_name: str
+    task_id: str
+    message: str
+    published_at: float
+    publisher_stamp: float | None
+    due_at: float
+    expires_at: float | None
+    waiting_since: float
+    republished_at: float | None
+    republishes: int
+    #: Whether the key had a row in the keys table when this was read (claimed at least once).
+    claimed: bool = False
+    #: Whether the message's ``expires`` had passed when this was read.
+    expired: bool = False
+
+    @classmethod
+    def from_mapping(cls, row: Any) -> PublishRecord:
+        values = {name: row[name] for name in cls.__dataclass_fields__ if name in row}
+        for flag in ("claimed", "expired"):
+            values[flag] = bool(values.get(flag))
+        return cls(**values)

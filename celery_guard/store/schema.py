@@ -142,6 +142,35 @@ workers = Table(
 )
 
 
+#: Publish tracking (``guard_track_publishes``, opt-in): one row per idempotency key a producer
+#: published that no worker has claimed yet, written before the message reaches the broker. A
+#: message the broker transport loses before any claim (kombu's Redis BRPOP window) leaves no
+#: key row for the reaper to see; this row is what it re-publishes instead. The reaper deletes
+#: a row once its key has a row in ``celery_guard_keys``.
+published = Table(
+    "celery_guard_published",
+    metadata,
+    Column("key", String(MAX_KEY_LENGTH), primary_key=True),
+    Column("task_name", String(255), nullable=False),
+    Column("task_id", String(255), nullable=False),
+    # JSON of what re-publishing needs, in the keys table's ``message`` format.
+    Column("message", Text, nullable=False),
+    Column("published_at", Double, nullable=False),
+    # The producer's ``guard_published_at`` header (its own clock): compared with the headers of
+    # the messages waiting in a Redis queue, which carry the same kind of clock.
+    Column("publisher_stamp", Double, nullable=True),
+    # Publish time plus the ETA/countdown, by the database's clock.
+    Column("due_at", Double, nullable=False),
+    Column("expires_at", Double, nullable=True),
+    # When the reaper's delay starts counting: the due time, then the last re-publish (or the
+    # last pass that found the message still waiting in its queue).
+    Column("waiting_since", Double, nullable=False),
+    Column("republished_at", Double, nullable=True),
+    Column("republishes", Integer, nullable=False, default=0),
+    Index("ix_celery_guard_published_waiting_since", "waiting_since"),
+)
+
+
 class db_epoch_now(FunctionElement[float]):  # reads like the SQL function it is
     """The database's current time in epoch seconds (fractional), evaluated per statement."""
 

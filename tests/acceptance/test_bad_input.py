@@ -174,23 +174,32 @@ def test_missing_tables_defer_deliveries_until_migrated(
         scene.store.dispose()
 
 
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        ({"guard_lease_ttl": "ten"}, "guard_lease_ttl must be a number of seconds, got 'ten'"),
+        (
+            {"guard_track_publishes": True, "guard_unclaimed_republish_after": 0},
+            "guard_unclaimed_republish_after must be a finite number of seconds > 0, got 0",
+        ),
+    ],
+    ids=["lease_ttl", "unclaimed_republish_after"],
+)
 def test_a_worker_with_a_wrong_config_type_refuses_to_start_and_loses_nothing(
-    scene: Scene,
+    scene: Scene, setting: dict[str, Any], error: str
 ) -> None:
     tag = uuid.uuid4().hex[:12]
     result = scene.send("shop.record", tag)
     bad = WorkerProcess(
         "tests.apps.shop",
-        env={**scene.env, "CG_EXTRA_CONF": json.dumps({"guard_lease_ttl": "ten"})},
+        env={**scene.env, "CG_EXTRA_CONF": json.dumps(setting)},
         queues=scene.queue,
     )
     scene.workers.append(bad)
     bad.start(wait_ready=False)
     wait_until(lambda: bad.returncode is not None, RESULT_TIMEOUT, "the worker to refuse")
     assert bad.returncode != 0
-    assert "ConfigurationError: guard_lease_ttl must be a number of seconds, got 'ten'" in (
-        bad.log_text()
-    )
+    assert f"ConfigurationError: {error}" in bad.log_text()
     assert scene.queued_messages() == 1, "the message waits in the broker"
     scene.start_worker()
     assert result.get(timeout=RESULT_TIMEOUT) == {"tag": tag, "value": None}

@@ -59,6 +59,8 @@ app.conf.update(
     guard_max_payload_bytes=int(os.environ["CG_MAX_PAYLOAD_BYTES"])
     if os.environ.get("CG_MAX_PAYLOAD_BYTES")
     else 16 * 1024 * 1024,
+    guard_track_publishes=os.environ.get("CG_TRACK_PUBLISHES") == "1",
+    guard_unclaimed_republish_after=float(os.environ.get("CG_UNCLAIMED_REPUBLISH_AFTER", "300")),
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("CG_VISIBILITY_TIMEOUT", "3600")),
         # Sweep for unacknowledged messages every second, so a short visibility timeout set by

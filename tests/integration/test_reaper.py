@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import pytest
 from celery import Celery
+from sqlalchemy import text
 
 from celery_guard import Fenced
 from celery_guard.lease.backends import RedisLeases, SqlLeases
+from celery_guard.outbox import UnclaimedRepublisher
 from celery_guard.reaper import Reaper
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
 from tests.rig.procs import wait_until
@@ -153,3 +156,94 @@ def test_with_redis_leases_a_held_lease_keeps_its_key_out_of_the_reaper(
     finally:
         leases.close()
         app.close()
+
+
+def tracked_message(queue: str, key: str, task_id: str) -> str:
+    return json.dumps(
+        {
+            "task": "shop.record",
+            "id": task_id,
+            "args": ["tag"],
+            "kwargs": {},
+            "headers": {"guard_idempotency_key": key, "guard_key_source": "option"},
+            "exchange": "",
+            "routing_key": queue,
+            "priority": None,
+        }
+    )
+
+
+def test_a_pass_republishes_a_tracked_publish_no_worker_claimed_once_its_queue_moved_past(
+    store: SqlStore, redis_server: RedisServer
+) -> None:
+    """The reaper side of publish tracking, on SQLite and PostgreSQL, with a Redis broker."""
+    app = Celery("reaper-test", broker=redis_server.url_for(10), set_as_current=False)
+    queue = f"tracked-{uuid.uuid4().hex[:8]}"
+    outbox = UnclaimedRepublisher(app, store, after=0.2)
+    reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=5, outbox=outbox)
+    try:
+        # Still waiting in its queue (its own header is the oldest there): left alone.
+        app.send_task(
+            "shop.record",
+            args=["tag"],
+            task_id="t-1",
+            queue=queue,
+            headers={"guard_published_at": time.time()},  # install()'s hook may stamp it again
+        )
+        with redis_server.client(10) as client:
+            stamp = json.loads(client.lindex(queue, -1))["headers"]["guard_published_at"]
+        assert store.track_publish(
+            key="k-1",
+            task_name="shop.record",
+            task_id="t-1",
+            message=tracked_message(queue, "k-1", "t-1"),
+            publisher_stamp=stamp,
+            countdown=0.0,
+            expires_in=None,
+        )
+        wait_until(
+            lambda: (report := reaper.run_once().outbox) is not None and report.postponed == 1,
+            10,
+            "the reaper to find the message still queued",
+        )
+        # Lost (taken off the queue unseen): re-published, same id, key header and queue.
+        with redis_server.client(10) as client:
+            assert client.rpop(queue) is not None
+        wait_until(
+            lambda: (
+                (report := reaper.run_once().outbox) is not None and report.republished == ["k-1"]
+            ),
+            10,
+            "the lost message's re-publish",
+        )
+        with app.connection_for_read() as connection:
+            received = connection.SimpleQueue(queue, no_ack=True).get(timeout=5)
+            assert received.headers["id"] == "t-1"
+            assert received.headers["guard_idempotency_key"] == "k-1"
+            assert received.decode()[0] == ["tag"]
+        (record,) = store.due_publishes(after=-60, limit=10)
+        assert record.republishes == 1 and record.republished_at is not None
+        claim(store, "k-1")  # a worker claims it: the record is forgotten
+        forgotten = reaper.run_once().outbox
+        assert forgotten is not None and forgotten.forgotten == 1
+        assert store.unclaimed_publishes() == (0, None)
+    finally:
+        reaper.stop()
+        app.close()
+
+
+def test_a_pass_goes_on_when_publish_tracking_fails(
+    store: SqlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A published table your migrations have not created yet: logged, the rest still runs."""
+    app = Celery("reaper-test", broker="memory://", set_as_current=False)
+    outbox = UnclaimedRepublisher(app, store, after=60)
+    reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=0.1, outbox=outbox)
+    claim(store, "orphan", ttl=0.1)  # no stored message: reported unrecoverable
+    with store.engine.begin() as connection:
+        connection.execute(text("DROP TABLE celery_guard_published"))
+    wait_until(lambda: store.orphans(60, 10) != [], 10, "the orphan's lease to end")
+    report = reaper.run_once()
+    assert report.leader and report.unrecoverable == ["orphan"]
+    assert "publish tracking failed this pass" in caplog.text
+    app.close()

@@ -46,6 +46,25 @@ def test_postgresql_urls_are_pinned_to_psycopg3() -> None:
         ("guard_lease_tll", 5, "unknown celery_guard setting 'guard_lease_tll'; did you mean"),
         ("guard_max_payload_bytes", 100, "guard_max_payload_bytes must be a number of bytes"),
         ("guard_max_payload_bytes", "16MB", "guard_max_payload_bytes must be a number of bytes"),
+        ("guard_track_publishes", "yes", "guard_track_publishes must be True or False, got 'yes'"),
+        ("guard_track_publishes", 1, "guard_track_publishes must be True or False, got 1"),
+        (
+            "guard_unclaimed_republish_after",
+            0,
+            "guard_unclaimed_republish_after must be a finite number of seconds > 0, got 0",
+        ),
+        (
+            "guard_unclaimed_republish_after",
+            -5.0,
+            "guard_unclaimed_republish_after must be a finite number of seconds > 0",
+        ),
+        (
+            "guard_unclaimed_republish_after",
+            "5m",
+            "guard_unclaimed_republish_after must be a number of seconds, got '5m'",
+        ),
+        ("guard_unclaimed_republish_after", None, "guard_unclaimed_republish_after must be a"),
+        ("guard_track_publish", True, "did you mean 'guard_track_publishes'"),
     ],
 )
 def test_bad_values_fail_at_install_naming_the_key(key: str, value: object, message: str) -> None:
@@ -54,6 +73,16 @@ def test_bad_values_fail_at_install_naming_the_key(key: str, value: object, mess
         celery_guard.install(app)
     with pytest.raises(ConfigurationError, match="install"):
         celery_guard.get_runtime(app)
+
+
+def test_publish_tracking_is_off_by_default_and_waits_five_minutes() -> None:
+    config = GuardConfig.from_celery_conf(make_app().conf)
+    assert config.track_publishes is False
+    assert config.unclaimed_republish_after == 300.0
+    on = GuardConfig.from_celery_conf(
+        make_app(guard_track_publishes=True, guard_unclaimed_republish_after=0.5).conf
+    )
+    assert (on.track_publishes, on.unclaimed_republish_after) == (True, 0.5)
 
 
 def test_result_ttl_none_keeps_results_until_pruned() -> None:
