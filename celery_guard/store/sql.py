@@ -625,12 +625,11 @@ class SqlStore:
         hot = self._hot
         if hot.try_acquire():
             try:
-                try:
-                    return self._run_hot(engine, hot.connection(engine), statement, sql, values)
-                except sa_exc.DBAPIError as exc:
-                    if exc.connection_invalidated:
-                        hot.drop()
-                    raise
+                return self._run_hot(engine, hot.connection(engine), statement, sql, values)
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated:
+                    hot.drop()
+                raise
             finally:
                 hot.lock.release()
         # Another thread of this process (a thread or gevent pool) holds the hot connection:
@@ -679,7 +678,8 @@ class SqlStore:
     def _run_hot(
         self, engine: Engine, connection: Any, statement: Any, sql: str, values: dict[str, Any]
     ) -> tuple[list[dict[str, Any]], int]:
-        """One statement on a psycopg connection in autocommit; errors as SQLAlchemy's."""
+        """One statement on a psycopg connection (autocommit, or inside a task's transaction);
+        driver errors re-raised as SQLAlchemy's, flagged when the connection is gone."""
         try:
             with connection.cursor() as cursor, self._watchdog.watching(connection):
                 cursor.execute(sql, values)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
+from celery_guard.store import SqlStore
 from celery_guard.store.base import DeadLetter
+from tests.integration.claims import claim
 from tests.rig.procs import wait_until
 
 
@@ -22,22 +23,6 @@ def track(store: SqlStore, key: str, **overrides: Any) -> bool:
     }
     values.update(overrides)
     return store.track_publish(**values)
-
-
-def claim(store: SqlStore, key: str) -> int:
-    result = store.claim(
-        ClaimRequest(
-            key=key,
-            task_name="shop.record",
-            fingerprint="fp",
-            check_fingerprint=True,
-            owner="w1/1",
-            message=None,
-            lease_ttl=30.0,
-        )
-    )
-    assert result.outcome is ClaimOutcome.CLAIMED
-    return result.record.fencing_token
 
 
 def unclaimed_keys(store: SqlStore, after: float) -> set[str]:

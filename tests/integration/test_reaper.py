@@ -14,25 +14,10 @@ from celery_guard import Fenced
 from celery_guard.lease.backends import RedisLeases, SqlLeases
 from celery_guard.outbox import UnclaimedRepublisher
 from celery_guard.reaper import Reaper
-from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
+from celery_guard.store import ClaimRequest, SqlStore
+from tests.integration.claims import claim
 from tests.rig.procs import wait_until
 from tests.rig.servers import RedisServer
-
-
-def claim(store: SqlStore, key: str, *, ttl: float = 30.0, message: str | None = None) -> int:
-    result = store.claim(
-        ClaimRequest(
-            key=key,
-            task_name="shop.record",
-            fingerprint="fp",
-            check_fingerprint=True,
-            owner="w1/1",
-            message=message,
-            lease_ttl=ttl,
-        )
-    )
-    assert result.outcome is ClaimOutcome.CLAIMED
-    return result.record.fencing_token
 
 
 def test_one_leader_at_a_time_and_a_resigned_lease_is_free(store: SqlStore) -> None:
