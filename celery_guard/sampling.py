@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import amqp.exceptions
+
 from celery_guard.errors import StoreError
 from celery_guard.store.base import WorkerRecord
 from celery_guard.store.sql import SqlStore
@@ -45,6 +47,9 @@ class Sampler:
         self.store = store
         self.queues = queues
         self._connection: Any = None
+        self._channel: Any = None
+        #: Queues already reported missing (logged once, not on every pass).
+        self._missing: set[str] = set()
 
     def sample(self) -> Sample:
         now = time.time()
@@ -67,20 +72,39 @@ class Sampler:
         return sample
 
     def queue_stats(self, now: float) -> dict[str, tuple[int, float | None]]:
-        """Depth of each queue (passive declare: AMQP and Redis) and, on Redis, its oldest age."""
+        """Depth of each queue and, on Redis, the age of its oldest message.
+
+        A queue that does not exist has no messages waiting: depth 0, so the series reads 0
+        instead of vanishing when a queue drains.
+        """
         if self._connection is None:
             self._connection = self.app.connection_for_read()
-        channel = self._connection.default_channel
+            self._channel = None
+        if self._channel is None:
+            self._channel = self._connection.channel()
+        channel = self._channel
         stats: dict[str, tuple[int, float | None]] = {}
         for queue in self.queues:
+            depth = redis_queue_depth(channel, queue)
+            if depth is not None:
+                # kombu's Redis transport answers a passive declare of a queue whose lists are
+                # empty, so deleted by Redis, with 404 (virtual/base.py ``queue_declare``,
+                # redis.py ``_has_queue``): count the lists instead.
+                stats[queue] = (depth, _redis_oldest_age(channel, queue, now))
+                continue
             try:
                 declared = channel.queue_declare(queue=queue, passive=True)
-            except Exception as exc:
-                # AMQP closes the channel on a missing queue; start afresh next pass.
-                logger.info("celery_guard sampling: queue %r not readable: %s", queue, exc)
-                self.close()
-                return stats
-            stats[queue] = (int(declared.message_count), _redis_oldest_age(channel, queue, now))
+            except amqp.exceptions.NotFound:
+                # Not declared yet (no worker has consumed it): nothing can wait in it. The
+                # broker closed the channel; the next queue gets a new one.
+                if queue not in self._missing:
+                    self._missing.add(queue)
+                    logger.info("celery_guard sampling: queue %r does not exist (yet)", queue)
+                stats[queue] = (0, None)
+                self._channel = channel = self._connection.channel()
+                continue
+            self._missing.discard(queue)
+            stats[queue] = (int(declared.message_count), None)
         return stats
 
     def close(self) -> None:
@@ -89,7 +113,7 @@ class Sampler:
                 self._connection.release()
             except Exception:  # closing a broken connection may fail too
                 logger.debug("celery_guard sampling: closing the broker connection failed")
-            self._connection = None
+            self._connection = self._channel = None
 
 
 def _redis_oldest_age(channel: Any, queue: str, now: float) -> float | None:
@@ -102,6 +126,19 @@ def _redis_oldest_age(channel: Any, queue: str, now: float) -> float | None:
     if not known:
         return None
     return max(0.0, now - min(known))
+
+
+def redis_queue_depth(channel: Any, queue: str) -> int | None:
+    """Messages waiting in a kombu Redis queue, all priority lists together; ``None`` if the
+    channel is not Redis's. One pipelined round trip (what kombu's own ``_size`` does)."""
+    q_for_pri = getattr(channel, "_q_for_pri", None)
+    steps = getattr(channel, "priority_steps", None)
+    if q_for_pri is None or steps is None:
+        return None
+    with channel.client.pipeline(transaction=False) as pipe:
+        for priority in steps:
+            pipe.llen(q_for_pri(queue, priority))
+        return sum(int(size) for size in pipe.execute())
 
 
 def redis_oldest_stamps(channel: Any, queue: str) -> list[float | None] | None:

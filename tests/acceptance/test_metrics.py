@@ -211,6 +211,11 @@ def test_a_backlog_shows_in_queue_depth_oldest_age_and_queue_lag(scene: Scene) -
     # At least the two that waited behind the 3 s bodies waited more than a second.
     assert under_a_second <= 2
     scene.wait_for("celery_guard_queue_depth", 0, queue=scene.queue)
+    # Drained, the queue's Redis list is gone: its depth reads 0 rather than vanishing.
+    assert any(
+        name == "celery_guard_queue_depth" and ("queue", scene.queue) in labels
+        for name, labels in scene.scrape()
+    ), "the drained queue's depth series disappeared"
 
 
 def test_a_sigkilled_worker_drops_out_of_worker_up_within_one_ttl(scene: Scene) -> None:
