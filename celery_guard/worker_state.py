@@ -2,7 +2,8 @@
 
 Each process keeps its own: a prefork child is PROCESSING while a guarded body runs in it and
 FENCED while one of its bodies has lost its lease; the main process goes READY, DRAINING on warm
-shutdown, then STOPPED. Every transition is logged with what caused it.
+shutdown, then STOPPED. Every transition is logged with what caused it: the per-task
+READY <-> PROCESSING at DEBUG, the others at INFO.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class WorkerState(str, enum.Enum):
     DRAINING = "DRAINING"
     FENCED = "FENCED"
     STOPPED = "STOPPED"
+
+
+_ROUTINE = {WorkerState.READY, WorkerState.PROCESSING}
 
 
 class StateTracker:
@@ -78,10 +82,19 @@ class StateTracker:
             self.on_change(self._running, len(self._fenced))
         new = combine_state(self._lifecycle, self._running, len(self._fenced))
         if new is not self.state:
-            details = " ".join(f"{name}={value}" for name, value in context.items())
-            logger.info(
-                "celery_guard worker state %s -> %s %s", self.state.value, new.value, details
-            )
+            # READY <-> PROCESSING happens twice per task: at INFO it would double a worker's
+            # log volume (Celery already logs each task received and done). The
+            # celery_guard_worker_state gauge shows it; the rarer transitions stay at INFO.
+            routine = {self.state, new} == _ROUTINE
+            if logger.isEnabledFor(logging.DEBUG if routine else logging.INFO):
+                details = " ".join(f"{name}={value}" for name, value in context.items())
+                logger.log(
+                    logging.DEBUG if routine else logging.INFO,
+                    "celery_guard worker state %s -> %s %s",
+                    self.state.value,
+                    new.value,
+                    details,
+                )
             self.state = new
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import pytest
@@ -151,3 +152,25 @@ def test_a_fenced_execution_that_ends_leaves_the_process_ready() -> None:
     assert states.state is WorkerState.FENCED
     states.execution_ended("k", 1, fenced=False)
     assert states.state is WorkerState.READY
+
+
+def test_per_task_state_changes_log_at_debug_the_rare_ones_at_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    states = StateTracker()
+    with caplog.at_level(logging.DEBUG, logger="celery_guard.worker"):
+        states.execution_started("k", 1)
+        states.execution_ended("k", 1, fenced=False)
+        states.execution_started("k", 2)
+        states.execution_fenced("k", 2)
+        states.execution_ended("k", 2, fenced=True)
+        states.set_lifecycle(WorkerState.DRAINING, "warm shutdown")
+    logged = [(record.levelname, record.getMessage()) for record in caplog.records]
+    assert logged == [
+        ("DEBUG", "celery_guard worker state READY -> PROCESSING key=k token=1"),
+        ("DEBUG", "celery_guard worker state PROCESSING -> READY key=k token=1"),
+        ("DEBUG", "celery_guard worker state READY -> PROCESSING key=k token=2"),
+        ("INFO", "celery_guard worker state PROCESSING -> FENCED key=k token=2"),
+        ("INFO", "celery_guard worker state FENCED -> READY key=k token=2"),
+        ("INFO", "celery_guard worker state READY -> DRAINING reason=warm shutdown"),
+    ]
