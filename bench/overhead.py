@@ -55,6 +55,16 @@ from tests.rig.servers import PostgresServer, RedisServer  # noqa: E402
 from tests.rig.workers import WorkerProcess  # noqa: E402
 
 HEADING = "## Overhead (bench/overhead.py)"
+DEFAULT_CONCURRENCY = 2
+
+
+def heading_for(concurrency: int) -> str:
+    """The section a run writes: another pool size gets its own, beside the default's."""
+    if concurrency == DEFAULT_CONCURRENCY:
+        return HEADING
+    return f"## Overhead at concurrency {concurrency} (bench/overhead.py --concurrency N)"
+
+
 PAIRS = [("plain_noop", "guarded_noop"), ("plain_insert", "guarded_insert")]
 VARIANTS = [name for pair in PAIRS for name in pair]
 
@@ -62,7 +72,12 @@ VARIANTS = [name for pair in PAIRS for name in pair]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=2000, help="messages per run (default 2000)")
-    parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (2)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        help=f"prefork pool size ({DEFAULT_CONCURRENCY}; others write their own section)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="runs per variant; median (5)")
     parser.add_argument("--prefetch", type=int, default=4, help="worker_prefetch_multiplier (4)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per run")
@@ -107,7 +122,7 @@ def main() -> None:
 
     section = render(args, runs, cpu, trips, info, command, wall)
     print("\n" + section)
-    write_section(args.output, section)
+    write_section(args.output, section, heading_for(args.concurrency))
     print(f"written to {args.output}; total wall time {wall:.0f} s")
 
 
@@ -353,7 +368,7 @@ def render(
     ratio = {guarded: rate[guarded] / rate[plain] for plain, guarded in PAIRS}
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [
-        HEADING,
+        heading_for(args.concurrency),
         "",
         f"Measured {today} with `{command}` (total wall time {wall:.0f} s).",
         "",

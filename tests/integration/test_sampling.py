@@ -70,12 +70,14 @@ def test_redis_empty_queue_reads_zero_and_later_queues_are_still_read(
     redis_app: Celery, sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     empty, busy = queue_names()
-    publish(redis_app, busy, 3, published_at=time.time() - 30)
+    publish(redis_app, busy, 3, published_at=time.time())
     store = SqlStore(GuardConfig(store_url=sqlite_url))
     sampler = Sampler(redis_app, store, queues=[empty, busy])
     try:
         with caplog.at_level(logging.INFO, logger="celery_guard.sampling"):
-            first = sampler.queue_stats(time.time())
+            # Sampled "30 s later": the age is the sampling time minus the oldest stamp (this
+            # test's header, or celery_guard's publish hook's if an installed app stamped it).
+            first = sampler.queue_stats(time.time() + 30)
             connection = sampler._connection
             drain(redis_app, busy, 3)
             second = sampler.queue_stats(time.time())
