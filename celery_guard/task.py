@@ -16,6 +16,7 @@ from celery_guard.config import GuardConfig, check_ttl_option
 from celery_guard.deadletters import storable_json
 from celery_guard.errors import (
     ConfigurationError,
+    DeadLettered,
     GuardError,
     InFlightElsewhere,
     InvalidIdempotencyKey,
@@ -101,6 +102,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     #: requeue when the child process dies (design.md, "Self-healing").
     acks_late = True
     reject_on_worker_lost = True
+    #: A copy of a dead-lettered key (and a poison pill stopped at claim) fails with
+    #: DeadLettered, an outcome celery_guard has already logged and counted: Celery logs
+    #: "expected" failures at INFO without a traceback (celery/app/trace.py get_log_policy),
+    #: where each copy would otherwise log an ERROR traceback of celery_guard's internals.
+    #: A task's own ``throws`` option is extended, not replaced.
+    throws: ClassVar[tuple[type[BaseException], ...]] = (DeadLettered,)
 
     idempotency_key: ClassVar[KeyOption] = None
     idempotency_ttl: ClassVar[Any] = _UNSET
@@ -139,6 +146,13 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             raise ConfigurationError(
                 f"task {name}: max_attempts must be an integer >= 1, got {attempts!r}"
             )
+        throws = cls.__dict__.get("throws")
+        if throws is not None:
+            declared = tuple(throws) if isinstance(throws, (tuple, list)) else (throws,)
+            if not any(
+                isinstance(kind, type) and issubclass(DeadLettered, kind) for kind in declared
+            ):
+                cls.throws = (*declared, DeadLettered)
         for option in ("transient_errors", "permanent_errors"):
             if option in cls.__dict__:
                 setattr(cls, option, import_classes(f"task {name}: {option}", cls.__dict__[option]))

@@ -85,9 +85,20 @@ def test_a_permanent_error_is_dead_lettered_after_one_attempt(
     ]
     assert len(queued) == 1 and queued[0]["id"] == letter.id
     assert "raise ValueError" in str(queued[0]["traceback"])
-    # A later delivery of the dead key does not run it.
+    # A later delivery of the dead key does not run it, and its failure is logged as the
+    # expected outcome it is: one INFO line, no ERROR traceback.
+    later = shop.reject_order.delay(tag)
     with pytest.raises(DeadLettered):
-        shop.reject_order.delay(tag).get(timeout=RESULT_TIMEOUT)
+        later.get(timeout=RESULT_TIMEOUT)
+    expected = f"shop.reject_order[{later.id}] raised expected: DeadLettered"
+    wait_until(
+        lambda: any(expected in worker.log_text() for worker in shop_workers),
+        timeout=10,
+        what="the worker to log the dead key's copy",
+    )
+    assert not any(
+        f"[{later.id}] raised unexpected" in worker.log_text() for worker in shop_workers
+    )
 
 
 def test_transient_failures_past_the_attempt_limit_are_dead_lettered(

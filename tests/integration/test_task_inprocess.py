@@ -13,6 +13,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, func, insert, select
 import celery_guard
 from celery_guard import (
     ConfigurationError,
+    DeadLettered,
     GuardedTask,
     GuardError,
     InFlightElsewhere,
@@ -65,6 +66,23 @@ def test_bad_option_values_fail_when_the_task_is_defined(app: Celery) -> None:
         def bad_key() -> None: ...
 
         bad_key.run  # noqa: B018
+
+
+def test_dead_lettered_is_an_expected_failure_whatever_the_task_declares(app: Celery) -> None:
+    """Celery logs an expected failure at INFO, without a traceback (get_log_policy)."""
+
+    @app.task(base=GuardedTask, shared=False)
+    def plain() -> None: ...
+
+    @app.task(base=GuardedTask, throws=(KeyError,), shared=False)
+    def own() -> None: ...
+
+    @app.task(base=GuardedTask, throws=(Exception,), shared=False)
+    def broad() -> None: ...
+
+    assert plain.throws == (DeadLettered,)
+    assert own.throws == (KeyError, DeadLettered)
+    assert broad.throws == (Exception,)
 
 
 def test_a_callable_key_option_gets_the_task_arguments_not_the_task(app: Celery) -> None:
