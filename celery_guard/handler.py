@@ -366,7 +366,8 @@ class GuardHandler:
                 rng=self._random,
             )
         if decision.action == "retry" and decision.delay is not None:
-            self._release(task, execution, exc)
+            # One delivery, one outcome: "retried" says the key was released for the retry.
+            self._release(task, execution, exc, outcome=None)
             self._emit(
                 task,
                 execution.key,
@@ -477,7 +478,13 @@ class GuardHandler:
             self._in_flight_backoff(self.lease_ttl, delivery.deferrals),
         )
 
-    def _release(self, task: Any, execution: Execution, exc: BaseException) -> None:
+    def _release(
+        self,
+        task: Any,
+        execution: Execution,
+        exc: BaseException,
+        outcome: str | None = signals.RELEASED,
+    ) -> None:
         assert execution.key is not None and execution.fencing_token is not None
         if isinstance(exc, Fenced) or execution.fenced:
             # Never release a lost lease: the key stays RUNNING until it expires, and the
@@ -501,13 +508,14 @@ class GuardHandler:
                 execution.fencing_token,
                 store_exc,
             )
-        self._emit(
-            task,
-            execution.key,
-            signals.RELEASED,
-            execution.fencing_token,
-            seconds=execution.elapsed(),
-        )
+        if outcome is not None:
+            self._emit(
+                task,
+                execution.key,
+                outcome,
+                execution.fencing_token,
+                seconds=execution.elapsed(),
+            )
 
     def _in_flight_backoff(self, lease_remaining: float, deferrals: int) -> float:
         # Check back soon for short tasks, never later than the holder's lease can last.

@@ -29,10 +29,11 @@ STORE_UNAVAILABLE_DEFERRED: Final = "store_unavailable_deferred"
 PAYLOAD_CONFLICT: Final = "payload_conflict"
 #: The body ran but its completion was refused: another owner holds a newer fencing token.
 FENCED: Final = "fenced"
-#: The body raised (an error, retry() or replace()); the key was released for the next delivery.
+#: The body raised (Celery's retry() or replace(), Ignore, Reject, a store error) and the key
+#: was released for the next delivery; not sent for the failures below (one outcome each).
 RELEASED: Final = "released"
-#: The body failed transiently; the task is retried after a full-jitter delay. Extra keyword
-#: arguments: ``delay`` (seconds) and ``error_class``.
+#: The body failed transiently; the key was released and the task is retried after a
+#: full-jitter delay. Extra keyword arguments: ``delay`` (seconds) and ``error_class``.
 RETRIED: Final = "retried"
 #: Dead-lettered (permanent error, attempts exhausted, poison pill). Extra: ``error_class``,
 #: ``reason``.
