@@ -128,16 +128,24 @@ def _redis_oldest_age(channel: Any, queue: str, now: float) -> float | None:
     return max(0.0, now - min(known))
 
 
-def redis_queue_depth(channel: Any, queue: str) -> int | None:
-    """Messages waiting in a kombu Redis queue, all priority lists together; ``None`` if the
-    channel is not Redis's. One pipelined round trip (what kombu's own ``_size`` does)."""
+def _redis_lists(channel: Any, queue: str) -> list[str] | None:
+    """The Redis lists behind a kombu Redis queue, one per priority; ``None`` if not Redis."""
     q_for_pri = getattr(channel, "_q_for_pri", None)
     steps = getattr(channel, "priority_steps", None)
     if q_for_pri is None or steps is None:
         return None
+    return [q_for_pri(queue, priority) for priority in steps]
+
+
+def redis_queue_depth(channel: Any, queue: str) -> int | None:
+    """Messages waiting in a kombu Redis queue, all priority lists together; ``None`` if the
+    channel is not Redis's. One pipelined round trip (what kombu's own ``_size`` does)."""
+    lists = _redis_lists(channel, queue)
+    if lists is None:
+        return None
     with channel.client.pipeline(transaction=False) as pipe:
-        for priority in steps:
-            pipe.llen(q_for_pri(queue, priority))
+        for name in lists:
+            pipe.llen(name)
         return sum(int(size) for size in pipe.execute())
 
 
@@ -149,14 +157,13 @@ def redis_oldest_stamps(channel: Any, queue: str) -> list[float | None] | None:
     so each priority list's oldest message is its last element: LINDEX -1 reads it without
     taking it.
     """
-    q_for_pri = getattr(channel, "_q_for_pri", None)
-    steps = getattr(channel, "priority_steps", None)
-    if q_for_pri is None or steps is None:
+    lists = _redis_lists(channel, queue)
+    if lists is None:
         return None
     stamps: list[float | None] = []
     client = channel.client
-    for priority in steps:
-        raw = client.lindex(q_for_pri(queue, priority), -1)
+    for name in lists:
+        raw = client.lindex(name, -1)
         if raw is None:
             continue
         try:

@@ -85,11 +85,11 @@ class StateTracker:
             # READY <-> PROCESSING happens twice per task: at INFO it would double a worker's
             # log volume (Celery already logs each task received and done). The
             # celery_guard_worker_state gauge shows it; the rarer transitions stay at INFO.
-            routine = {self.state, new} == _ROUTINE
-            if logger.isEnabledFor(logging.DEBUG if routine else logging.INFO):
+            level = logging.DEBUG if {self.state, new} == _ROUTINE else logging.INFO
+            if logger.isEnabledFor(level):
                 details = " ".join(f"{name}={value}" for name, value in context.items())
                 logger.log(
-                    logging.DEBUG if routine else logging.INFO,
+                    level,
                     "celery_guard worker state %s -> %s %s",
                     self.state.value,
                     new.value,
