@@ -18,6 +18,7 @@ from celery_guard.errors import (
     ResultTooLarge,
     StoreError,
     StoreUnavailable,
+    TransactionMisuse,
     TransientError,
     UnserializableArguments,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "ResultTooLarge",
     "StoreError",
     "StoreUnavailable",
+    "TransactionMisuse",
     "TransientError",
     "UnserializableArguments",
     "__version__",

@@ -94,6 +94,18 @@ class Fenced(GuardError):
         )
 
 
+class TransactionMisuse(GuardError):
+    """A task body tried to end the transaction of ``self.guard.transaction()`` itself.
+
+    That transaction belongs to celery_guard: it commits once, with the key's COMPLETED marker,
+    when the body returns. A body's ``commit()``, ``rollback()`` or ``close()`` on its
+    connection (directly, or through an ORM ``Session`` that controls it) is refused with this
+    error before it reaches the database, and nothing of the execution is committed. It is a
+    programming error, so it is classified permanent: the key is dead-lettered at once, to be
+    replayed once the task is fixed.
+    """
+
+
 class InFlightElsewhere(GuardError):
     """Another execution holds the key's live lease.
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy import Connection, RootTransaction
+from sqlalchemy.orm import Session
 
-from celery_guard.errors import Fenced, GuardError
+from celery_guard.errors import Fenced, GuardError, TransactionMisuse
 from celery_guard.lease.heartbeat import Lease
 from celery_guard.store.sql import SqlStore
+
+logger = logging.getLogger("celery_guard")
 
 
 class Execution:
@@ -35,6 +40,11 @@ class Execution:
         self._connection: Connection | None = None
         self._transaction: RootTransaction | None = None
         self._finished = False
+        #: Set once celery_guard itself ends the transaction (commit, rollback on failure).
+        self._ending = False
+        #: The boundary ("commit", "rollback") the body tried and was refused, if any.
+        self._misuse: str | None = None
+        self._committed = False
         #: The idempotency key this execution owns (``None`` for a direct, unguarded call).
         self.key = key
         #: Strictly increasing per key: pass it to stores outside the database so they can refuse
@@ -88,17 +98,60 @@ class Execution:
         yields the same connection and transaction. If the block raises, everything written in it
         is rolled back; otherwise it commits when the body returns, together with the COMPLETED
         marker (fencing-token checked).
+
+        The transaction is celery_guard's to end: ``commit()``, ``rollback()`` or ``close()`` on
+        the connection (or through an ORM ``Session`` in ``control_fully`` mode) raises
+        :class:`~celery_guard.TransactionMisuse` and reaches nothing, and the execution then
+        fails without committing anything. To undo a part of the work, use a savepoint
+        (``with conn.begin_nested():``); for the ORM, :meth:`session`.
         """
         if self._finished:
             raise GuardError("self.guard.transaction() was used after the task body returned")
         if self._connection is None:
-            self._connection = self._store.connect()
+            self._connection = self._store.connect(on_boundary=self._on_boundary)
+            self._ending = False
             self._transaction = self._connection.begin()
         try:
             yield self._connection
         except BaseException:
             self.abort()
             raise
+
+    @contextmanager
+    def session(self, **options: Any) -> Iterator[Session]:
+        """An SQLAlchemy ORM ``Session`` inside :meth:`transaction`.
+
+        The session joins the guard's transaction through a savepoint
+        (``join_transaction_mode="create_savepoint"``): ``session.commit()`` keeps its writes in
+        the guard's transaction, which commits with the COMPLETED marker when the body returns;
+        ``session.rollback()`` undoes the session's writes since its last commit, nothing else.
+        When the block ends normally the session is committed that way (so forgetting
+        ``commit()`` loses nothing); when it raises, its writes are rolled back with the rest
+        of the execution's. ``expire_on_commit`` defaults to False: objects stay readable
+        after the block. Other ``options`` go to ``Session``.
+        """
+        options.setdefault("expire_on_commit", False)
+        with self.transaction() as connection:
+            orm_session = Session(
+                bind=connection, join_transaction_mode="create_savepoint", **options
+            )
+            try:
+                yield orm_session
+                orm_session.commit()
+            finally:
+                orm_session.close()
+
+    @property
+    def misuse(self) -> TransactionMisuse | None:
+        """The error for the body's attempt to end the guard's transaction, if it made one."""
+        return None if self._misuse is None else TransactionMisuse(_MISUSE[self._misuse])
+
+    def _on_boundary(self, action: str) -> None:
+        """Called by the store before a transaction on the body's connection ends."""
+        if self._ending:
+            return
+        self._misuse = action
+        raise TransactionMisuse(_MISUSE[action])
 
     def finish(self, result: str, retention: float | None) -> None:
         """Commit the body's writes and, for a guarded execution, the COMPLETED marker."""
@@ -108,22 +161,68 @@ class Execution:
             # A lease known to be lost refuses the commit even if no one has taken over yet:
             # the reaper may already be re-publishing the key.
             self.check()
+            misuse = self.misuse
+            if misuse is not None:
+                # The body caught the refusal and returned: its writes still do not count.
+                raise misuse
+            if connection is not None and self._store.transaction_failed(connection):
+                raise TransactionMisuse(_FAILED_STATEMENT)
             if self.key is not None and self.fencing_token is not None:
                 self._store.complete(
                     self.key, self.fencing_token, result, retention, connection=connection
                 )
             if transaction is not None:
+                self._ending = True
                 self._store.commit(transaction)
-        finally:
+                self._committed = True
+        except BaseException:
             self.abort()
+            raise
+        try:
+            self.abort()  # the commit landed: nothing is left to roll back, only to close
+        except Exception as exc:
+            # The execution is complete; a failure to hand the connection back must not turn
+            # it into a failed one.
+            logger.warning("celery_guard could not close a completed transaction: %s", exc)
 
     def abort(self) -> None:
         """Roll back and close the body's transaction, if one is open."""
         connection, transaction = self._connection, self._transaction
         self._connection = self._transaction = None
+        self._ending = True
         try:
             if transaction is not None and transaction.is_active:
                 transaction.rollback()
+            elif transaction is not None and connection is not None and not self._committed:
+                # A commit or rollback refused by _on_boundary leaves SQLAlchemy's transaction
+                # inactive while the database still holds it open, and close() would hand the
+                # connection back to the pool as already reset (sqlalchemy/engine/base.py,
+                # RootTransaction._do_commit keeps a failed commit for a rollback that
+                # _close_impl skips once inactive). Discarding the connection ends it for sure.
+                connection.invalidate()
         finally:
             if connection is not None:
                 connection.close()
+
+
+#: What a refused boundary says, by the action the body attempted.
+_MISUSE = {
+    "commit": (
+        "the task body tried to commit the transaction of self.guard.transaction(); not allowed, "
+        "nothing of this execution is committed. celery_guard commits the body's writes "
+        "together with the key's COMPLETED marker when the body returns: remove the commit() "
+        "(an ORM Session joins through self.guard.session(), where session.commit() is safe)"
+    ),
+    "rollback": (
+        "the task body tried to roll back or close the connection of "
+        "self.guard.transaction(); not allowed, nothing of this execution is committed. To undo "
+        "part of the work use a savepoint (with conn.begin_nested(): ...); to give up the whole "
+        "execution, raise from the body (an ORM Session joins through self.guard.session())"
+    ),
+}
+_FAILED_STATEMENT = (
+    "a statement failed inside self.guard.transaction() and the body caught its error: the "
+    "database has aborted the transaction, so nothing of this execution can commit. Wrap a "
+    "statement that may fail in a savepoint (with conn.begin_nested(): ...) and catch the "
+    "error outside it"
+)

@@ -24,6 +24,7 @@ from celery_guard.errors import (
     ResultNotSerializable,
     ResultTooLarge,
     StoreError,
+    TransactionMisuse,
 )
 from celery_guard.execution import Execution
 from celery_guard.keys import KeySource
@@ -271,6 +272,17 @@ class GuardHandler:
             value = body(execution)
         except BaseException as exc:
             execution.abort()
+            misuse = execution.misuse
+            if (
+                misuse is not None
+                and isinstance(exc, Exception)
+                and not isinstance(exc, (TransactionMisuse, *self.control_flow))
+            ):
+                # The body went on after its commit, rollback or close was refused, and what
+                # failed next (a closed connection, an inactive transaction) follows from that:
+                # report the cause, so the dead letter says what to fix.
+                self._fail(task, delivery, execution, misuse)
+                raise misuse from exc
             self._fail(task, delivery, execution, exc)
             lost = isinstance(exc, Fenced) or (
                 execution.fenced
@@ -320,6 +332,14 @@ class GuardHandler:
             # The commit may or may not have landed; either way the next delivery finds out from
             # the store (COMPLETED, or our lease expiring), so deferring loses nothing.
             raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
+        except Exception as exc:
+            # Anything else (TransactionMisuse, an SQLAlchemy error about the body's use of its
+            # connection) is a failure of this execution like one raised by the body: classified,
+            # and the key released for a retry or dead-lettered with the real error. Left
+            # RUNNING, the key would be re-run by the reaper as an orphan until the attempt
+            # limit called it a poison pill.
+            self._fail(task, delivery, execution, exc)
+            raise
         self._emit(
             task,
             delivery.key,

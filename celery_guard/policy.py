@@ -21,6 +21,7 @@ from celery_guard.errors import (
     InvalidIdempotencyKey,
     PermanentError,
     ResultNotSerializable,
+    TransactionMisuse,
     TransientError,
     UnserializableArguments,
 )
@@ -53,6 +54,7 @@ DEFAULT_PERMANENT: tuple[type[BaseException], ...] = (
     InvalidIdempotencyKey,
     UnserializableArguments,
     ResultNotSerializable,
+    TransactionMisuse,
 )
 
 

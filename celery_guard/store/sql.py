@@ -156,6 +156,7 @@ class SqlStore:
         if self.dialect_name == "sqlite":
             engine = create_engine(url, connect_args={"timeout": timeout}, pool_timeout=timeout)
             _configure_sqlite(engine, timeout)
+            _report_boundaries(engine)
             return engine
         millis = max(1, int(timeout * 1000))
         connect_args: dict[str, Any] = {
@@ -173,6 +174,7 @@ class SqlStore:
         }
         engine = create_engine(url, connect_args=connect_args, pool_timeout=timeout)
         self._watchdog.install(engine)
+        _report_boundaries(engine)
         return engine
 
     def ensure_schema(self) -> None:
@@ -578,10 +580,33 @@ class SqlStore:
 
         self._observed(commit)
 
-    def connect(self) -> Connection:
-        """A new connection for a task's own transaction; the caller closes it."""
+    def transaction_failed(self, connection: Connection) -> bool:
+        """True when a statement failed in the open transaction on ``connection`` and the
+        transaction can now only roll back (PostgreSQL's "current transaction is aborted"); a
+        failed SQLite statement leaves its transaction usable."""
+        if self.dialect_name != "postgresql" or connection.closed:
+            return False
+        try:
+            driver = connection.connection.dbapi_connection
+        except sa_exc.SQLAlchemyError:
+            return False
+        status = getattr(getattr(driver, "info", None), "transaction_status", None)
+        return status == psycopg.pq.TransactionStatus.INERROR
+
+    def connect(self, on_boundary: Callable[[str], None] | None = None) -> Connection:
+        """A new connection for a task's own transaction; the caller closes it.
+
+        ``on_boundary`` is called with ``"commit"`` or ``"rollback"`` before SQLAlchemy ends a
+        transaction on this connection, however it is asked to (``Connection.commit()``, an ORM
+        ``Session`` that controls it, ``close()``); an exception it raises stops the statement
+        from being sent. ``Execution`` uses it so a task body cannot end the transaction that
+        must commit with the key's COMPLETED marker. Savepoints are not reported.
+        """
         engine = self._ready_engine()
-        return self._call(engine.connect)
+        connection = self._call(engine.connect)
+        if on_boundary is not None:
+            connection.execution_options(**{_BOUNDARY_HOOK: on_boundary})
+        return connection
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -1205,6 +1230,34 @@ def _wrap(exc: sa_exc.DBAPIError, config: GuardConfig) -> StoreError:
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
         return StoreUnavailable(f"store {where} unavailable: {first_line}")
     return StoreError(f"store {where} error: {first_line}")
+
+
+#: Execution option naming the callable :meth:`SqlStore.connect` was given as ``on_boundary``.
+_BOUNDARY_HOOK = "celery_guard_on_boundary"
+
+
+def _report_boundaries(engine: Engine) -> None:
+    """Tell a connection's ``on_boundary`` hook before a transaction on it ends.
+
+    Engine-wide listeners that look the hook up on the connection (instead of listeners added
+    per connection): adding and removing a listener costs more than one dictionary lookup per
+    commit. SQLAlchemy calls ``commit``/``rollback`` listeners before it sends COMMIT/ROLLBACK,
+    and an exception raised there propagates to the caller with nothing sent (ConnectionEvents,
+    sqlalchemy/engine/base.py ``_commit_impl``/``_rollback_impl``).
+    """
+
+    def on_commit(connection: Connection) -> None:
+        hook = connection.get_execution_options().get(_BOUNDARY_HOOK)
+        if hook is not None:
+            hook("commit")
+
+    def on_rollback(connection: Connection) -> None:
+        hook = connection.get_execution_options().get(_BOUNDARY_HOOK)
+        if hook is not None:
+            hook("rollback")
+
+    event.listen(engine, "commit", on_commit)
+    event.listen(engine, "rollback", on_rollback)
 
 
 def _configure_sqlite(engine: Engine, timeout: float) -> None:

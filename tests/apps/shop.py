@@ -252,6 +252,54 @@ def big_result(self: Any, tag: str, size: int, padding: str = "") -> str:
     return "x" * size
 
 
+def _orm_session(connection: Any, mode: str) -> Any:
+    from sqlalchemy.orm import Session
+
+    return Session(bind=connection, join_transaction_mode=mode)
+
+
+@app.task(name="shop.transaction_habit", bind=True, idempotency_key="habit:{tag}", max_attempts=2)
+def transaction_habit(self: Any, tag: str, habit: str) -> str:
+    """Writes its effect, then does what a body might do with the guard's transaction.
+
+    tests/acceptance/test_body_transaction.py publishes one key per habit, several times.
+    """
+    row = insert(effects).values(tag=tag, idempotency_key=self.guard.key, pid=os.getpid())
+    if habit == "guard_session":
+        with self.guard.session() as session:
+            session.execute(row)
+            session.commit()
+        return habit
+    with self.guard.transaction() as connection:
+        connection.execute(row)
+        if habit == "commit":
+            connection.commit()
+        elif habit == "close":
+            connection.close()
+        elif habit == "rollback_then_write":
+            try:
+                connection.rollback()
+            except Exception:  # a body that swallows the refusal and goes on
+                connection.execute(row)
+        elif habit == "session_control_fully":
+            session = _orm_session(connection, "control_fully")
+            session.execute(row)
+            session.commit()
+        elif habit == "session_rollback":
+            session = _orm_session(connection, "conditional_savepoint")  # the default
+            session.execute(row)
+            session.rollback()
+        elif habit == "nested":
+            with connection.begin_nested() as savepoint:
+                connection.execute(row)
+                savepoint.rollback()  # undoes the second row only
+        elif habit == "invalidate":
+            connection.invalidate()  # the completion then fails on a connection gone
+        else:
+            raise ValueError(f"unknown habit {habit!r}")
+    return habit
+
+
 if os.environ.get("CG_LATE_TASK"):
     # A task only newer workers know (a rolling deploy): older ones receive it as unknown.
 
