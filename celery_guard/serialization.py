@@ -55,7 +55,10 @@ class ResultCodec:
         self.app = app
         conf = app.conf
         self.serializer: str = conf.result_serializer
-        self.accept = conf.result_accept_content or conf.accept_content
+        # Names ("pickle") to content types, as Celery's backend does.
+        self.accept = kombu_serialization.prepare_accept_content(  # type: ignore[no-untyped-call]
+            conf.result_accept_content or conf.accept_content
+        )
 
     def dumps(self, value: Any) -> str:
         """JSON text for ``value``; ``TypeError`` when the backend's serializer refuses it."""
