@@ -127,10 +127,13 @@ class DeadLettered(GuardError):
     Raised for a delivery that finds its key DEAD, and for a poison pill stopped at claim.
     """
 
-    def __init__(self, key: str, reason: str) -> None:
+    def __init__(self, key: str, reason: str, *, failed_task_id: str | None = None) -> None:
         super().__init__(key, reason)
         self.key = key
         self.reason = reason
+        #: For a delivery that found the key DEAD: the task id of the delivery whose failure
+        #: dead-lettered it (Celery recorded that failure and ran its errbacks then).
+        self.failed_task_id = failed_task_id
 
     def __str__(self) -> str:
         return f"idempotency key {self.key!r} is dead-lettered ({self.reason}); not run"

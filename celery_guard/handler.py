@@ -76,6 +76,10 @@ class Delivery:
     #: When the message became due: its publish time (``guard_published_at`` header, epoch
     #: seconds) or its ETA if later. ``None`` when unknown.
     due_at: float | None = None
+    #: Result to the store's JSON text and back (``GuardedTask`` prepares results as the
+    #: app's result backend does: ``serialization.ResultCodec``).
+    encode_result: Callable[[Any], str] = serialization.dumps
+    decode_result: Callable[[str], Any] = serialization.loads
 
 
 class RetryLater(GuardError):
@@ -101,6 +105,18 @@ class DeliveryDeferred(GuardError):
 
 
 Body = Callable[[Execution], Any]
+
+
+def _failed_task_id(delivery: Delivery, message: str | None) -> str | None:
+    """The task id of the delivery that dead-lettered a key: it claimed last, so its message
+    is the one stored with the key (and a task-id key is that id)."""
+    if delivery.key_source is KeySource.TASK_ID:
+        return delivery.key
+    try:
+        task_id = serialization.loads(message).get("id") if message else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return task_id if isinstance(task_id, str) else None
 
 
 def oversize(text: str, limit: int | None) -> int | None:
@@ -182,13 +198,17 @@ class GuardHandler:
             self._release_lease(delivery.key, acquisition.handle)
         if claim.outcome is ClaimOutcome.DEAD:
             self._emit(task, delivery.key, signals.DEAD_LETTER_SKIPPED, record.fencing_token)
-            raise DeadLettered(delivery.key, "dead-lettered earlier; replay it to run it again")
+            raise DeadLettered(
+                delivery.key,
+                "dead-lettered earlier; replay it to run it again",
+                failed_task_id=_failed_task_id(delivery, record.message),
+            )
         if claim.outcome is ClaimOutcome.CONFLICT:
             self._emit(task, delivery.key, signals.PAYLOAD_CONFLICT)
             raise IdempotencyConflict(delivery.key, record.task_name, delivery.task_name)
         if claim.outcome is ClaimOutcome.DUPLICATE:
             self._emit(task, delivery.key, signals.DUPLICATE_PREVENTED, record.fencing_token)
-            return serialization.loads(record.result) if record.result is not None else None
+            return delivery.decode_result(record.result) if record.result is not None else None
         if claim.outcome is ClaimOutcome.IN_FLIGHT:
             self._emit(task, delivery.key, signals.IN_FLIGHT_DEFERRED, record.fencing_token)
             countdown = self._in_flight_backoff(claim.lease_remaining, delivery.deferrals)
@@ -294,7 +314,7 @@ class GuardHandler:
                 return self._winner_result(delivery)
             raise
         try:
-            result = serialization.dumps(value)
+            result = delivery.encode_result(value)
         except (TypeError, ValueError) as exc:
             execution.abort()
             error = ResultNotSerializable(
@@ -492,7 +512,7 @@ class GuardHandler:
         except StoreError:
             record = None
         if record is not None and record.state == COMPLETED_STATE and record.result is not None:
-            return serialization.loads(record.result)
+            return delivery.decode_result(record.result)
         raise DeliveryDeferred(
             f"key {delivery.key!r}: this execution was fenced, a newer owner runs it",
             self._in_flight_backoff(self.lease_ttl, delivery.deferrals),

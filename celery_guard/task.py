@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -10,7 +11,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 from celery._state import _task_stack
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guard.config import GuardConfig, check_ttl_option
 from celery_guard.deadletters import storable_json
@@ -41,6 +42,7 @@ from celery_guard.keys import (
 )
 from celery_guard.policy import ErrorClass, import_classes
 from celery_guard.sampling import PUBLISHED_AT_HEADER
+from celery_guard.serialization import ResultCodec
 from celery_guard.store.base import DeadLetter
 
 logger = logging.getLogger("celery_guard")
@@ -48,10 +50,17 @@ logger = logging.getLogger("celery_guard")
 #: Message headers celery_guard sets (the key's two live in keys.py); prefixed so they never
 #: shadow a Celery ``Context`` field.
 HEADER_DEFERRALS = "guard_deferrals"
+#: How many of the message's ``retries`` were celery_guard's own (transient errors); the rest
+#: are the body's ``self.retry()``/``autoretry_for``, which Celery's ``max_retries`` bounds.
+HEADER_GUARD_RETRIES = "guard_retries"
 #: Epoch seconds at publish, stamped on every message (queue lag = claim time - this).
 HEADER_PUBLISHED_AT = PUBLISHED_AT_HEADER
 
 _EXECUTION_ATTRIBUTE = "_celery_guard_execution"
+#: Set on the exception Celery's ``Task.retry()`` raises once ``max_retries`` is spent.
+_RETRIES_SPENT_ATTRIBUTE = "_celery_guard_retries_spent"
+#: Where Celery defines its built-in tasks (celery/app/builtins.py).
+_CELERY_BUILTINS = "celery.app.builtins"
 
 
 class _Unset:
@@ -108,6 +117,10 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     #: where each copy would otherwise log an ERROR traceback of celery_guard's internals.
     #: A task's own ``throws`` option is extended, not replaced.
     throws: ClassVar[tuple[type[BaseException], ...]] = (DeadLettered,)
+    #: Celery's built-in canvas tasks (``celery.chord_unlock``, ``celery.accumulate``...) get
+    #: the app's ``task_cls`` too; they run unguarded, as in plain Celery (no claim per poll).
+    guarded: ClassVar[bool] = True
+    _result_codec: ResultCodec | None = None
 
     idempotency_key: ClassVar[KeyOption] = None
     idempotency_ttl: ClassVar[Any] = _UNSET
@@ -119,6 +132,11 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name") or cls.__name__
+        if cls.__module__ == _CELERY_BUILTINS:
+            cls.guarded = False
+            # None: Celery fills them from the app's task_acks_late/... as for a plain Task.
+            cls.acks_late = None  # type: ignore[assignment]
+            cls.reject_on_worker_lost = None  # type: ignore[assignment]
         for attribute in cls.__dict__:
             if attribute.startswith(_OPTION_PREFIXES) and attribute not in TASK_OPTIONS:
                 raise ConfigurationError(
@@ -206,6 +224,8 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         return execution  # type: ignore[no-any-return]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.guarded:
+            return super().__call__(*args, **kwargs)
         runtime = get_runtime(self.app)
         request = self.request
         if request.called_directly:
@@ -223,14 +243,43 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             )
         except DeliveryDeferred as deferred:
             raise self._defer(delivery, deferred) from None
+        except DeadLettered as dead:
+            if dead.failed_task_id is not None and dead.failed_task_id == request.id:
+                # This very message failed when the key died, and Celery recorded that failure
+                # and ran its errbacks and its chord's error path then: a redelivered or
+                # re-sent copy must not run them again, nor count as a chord part twice.
+                logger.info(
+                    "celery_guard ignored %s[%s]: a copy of a message whose failure "
+                    "dead-lettered key %r was already reported",
+                    self.name,
+                    request.id,
+                    dead.key,
+                )
+                raise Ignore(str(dead)) from None
+            raise
         except RetryLater as later:
             # Celery's own retry: same task id and key, retries + 1. The attempt limit is
             # celery_guard's (counted in the store), so Celery's max_retries must not stop it.
-            raise self.retry(
+            headers = request.headers or {}
+            raise Task.retry(
+                self,
                 exc=later.__cause__,
                 countdown=later.delay,
                 max_retries=request.retries + 1,
+                headers={**headers, HEADER_GUARD_RETRIES: _guard_retries(request, headers) + 1},
             ) from None
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's :meth:`celery.Task.retry`; once ``max_retries`` is spent, the exception it
+        raises fails the key at once (dead letter) instead of being retried by celery_guard."""
+        try:
+            return super().retry(*args, **kwargs)
+        except Retry:
+            raise
+        except Exception as exc:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(exc, _RETRIES_SPENT_ATTRIBUTE, True)
+            raise
 
     def _keep_undeliverable(
         self, runtime: Any, request: Any, args: Any, kwargs: Any, exc: GuardError
@@ -354,13 +403,32 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 config.progress_timeout if progress_timeout is _UNSET else progress_timeout
             ),
             task_id=request.id,
-            classify=self.classify_error,
-            max_attempts=config.max_attempts if self.max_attempts is _UNSET else self.max_attempts,
+            classify=self._classify,
+            # Retries the body asked for are Celery's (bounded by max_retries): each is an
+            # attempt in the store, but not one guard_max_attempts may stop.
+            max_attempts=(config.max_attempts if self.max_attempts is _UNSET else self.max_attempts)
+            + max(0, (request.retries or 0) - _guard_retries(request, headers)),
             celery_retries_for=tuple(getattr(self, "autoretry_for", ()) or ()),
             owner=f"{request.hostname or socket.gethostname()}/{os.getpid()}",
             deferrals=int(headers.get(HEADER_DEFERRALS) or 0),
             due_at=_due_at(request, headers),
+            encode_result=self._results.dumps,
+            decode_result=self._results.loads,
         )
+
+    @property
+    def _results(self) -> ResultCodec:
+        """Prepares results as the app's result backend does (read from the app's config once)."""
+        codec = self._result_codec
+        if codec is None or codec.app is not self.app:
+            codec = self._result_codec = ResultCodec(self.app)
+        return codec
+
+    def _classify(self, exc: BaseException) -> ErrorClass:
+        if getattr(exc, _RETRIES_SPENT_ATTRIBUTE, False):
+            # Celery's retries for it are spent, as in plain Celery the task fails now.
+            return ErrorClass.PERMANENT
+        return self.classify_error(exc)
 
     def classify_error(self, exc: BaseException) -> ErrorClass:
         """Transient (retry), permanent (dead-letter now) or coordination; override to decide.
@@ -458,6 +526,15 @@ def _workflow_options(request: Any) -> dict[str, Any]:
         # Keep the recovered task's place in the canvas's result graph too.
         options.update(root_id=request.root_id, parent_id=request.parent_id)
     return options
+
+
+def _guard_retries(request: Any, headers: dict[str, Any]) -> int:
+    """How many of the request's retries celery_guard made (the ``guard_retries`` header)."""
+    value = headers.get(HEADER_GUARD_RETRIES) or getattr(request, HEADER_GUARD_RETRIES, None)
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _due_at(request: Any, headers: dict[str, Any]) -> float | None:
