@@ -162,11 +162,6 @@ class GuardRuntime:
         """The store's circuit breaker and adaptive concurrency."""
         return self._built().circuit
 
-    @property
-    def built(self) -> bool:
-        """Whether the settings have been read (and the parts built) yet."""
-        return self._parts is not None
-
     def load(self) -> GuardConfig:
         """Read and check the settings now (once), build the parts, and return the settings.
 
