@@ -2,12 +2,31 @@
 
 Precedence, written down once: a per-call value (message header) beats a per-task option, which
 beats the app-wide ``guard_*`` key, which beats the default documented here.
+
+Spelling, the way Celery spells its own settings (``celery/app/utils.py`` ``Settings``, and
+``Celery.config_from_object(..., namespace=...)``):
+
+- Without a namespace, a setting is ``guard_<field>`` (``guard_store_url``); the upper-case
+  ``GUARD_STORE_URL`` is the same setting.
+- Under the app's namespace (``config_from_object("django.conf:settings", namespace="CELERY")``,
+  or ``Celery(namespace=...)``), it is ``<NAMESPACE>_GUARD_<FIELD>``
+  (``CELERY_GUARD_STORE_URL``), as Celery reads ``CELERY_BROKER_URL`` for ``broker_url``. The
+  plain ``guard_<field>`` spelling is still accepted there, as Celery still reads an unprefixed
+  ``broker_url`` under a namespace; a config giving one setting in both spellings with
+  different values is refused rather than one of them silently winning.
+- An unknown key in either spelling (``CELERY_GUARD_LEASE_TLL``) is refused with the closest
+  known key in the same spelling. So is a ``CELERY_GUARD_*`` key in an app without a namespace:
+  Celery would ignore it, and the guard would silently fall back to its defaults.
+
+The settings are read when first needed (:class:`celery_guard.install.GuardRuntime`), not by
+``install()``, so ``install(app)`` may come before or after ``config_from_object()``.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -19,6 +38,10 @@ from celery_guard.errors import ConfigurationError
 from celery_guard.policy import ErrorClass, ErrorPolicy, import_classes
 
 CONFIG_PREFIX = "guard_"
+
+#: The prefix of the guard's settings in an app without a namespace whose settings look
+#: namespaced (Django's convention): refused, since nothing would read them.
+_DJANGO_STYLE_PREFIX = "celery_" + CONFIG_PREFIX
 
 #: The embedded default store: a SQLite file in the worker's working directory.
 DEFAULT_STORE_URL = "sqlite:///celery_guard.sqlite3"
@@ -36,7 +59,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 class GuardConfig:
     """App-wide settings, built from the Celery config by :meth:`from_celery_conf`.
 
-    Each field is read from the Celery key ``guard_<field>``.
+    Each field is read from the Celery key ``guard_<field>``, or ``<NAMESPACE>_GUARD_<FIELD>``
+    when the app has a namespace (see the module docstring for the spelling rules).
     """
 
     #: SQLAlchemy URL of the store (the idempotency table lives in this database, and so must the
@@ -245,20 +269,65 @@ class GuardConfig:
         return f"GuardConfig(store_url={self.safe_store_url()!r}, {text})"
 
     @classmethod
-    def from_celery_conf(cls, conf: Mapping[str, Any]) -> GuardConfig:
-        """Build from a Celery config; unknown ``guard_*`` keys are refused with a suggestion."""
-        known = {CONFIG_PREFIX + f.name: f.name for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for raw_key in list(conf.keys()):
-            key = str(raw_key).lower()
-            if not key.startswith(CONFIG_PREFIX):
+    def from_celery_conf(cls, conf: Mapping[str, Any], namespace: str | None = None) -> GuardConfig:
+        """Build from a Celery config; unknown guard keys are refused with a suggestion.
+
+        ``namespace`` is the app's (``app.namespace``); by default the one a Celery ``Settings``
+        carries as its ``prefix``. Under it, ``<NAMESPACE>_GUARD_<FIELD>`` and ``guard_<field>``
+        are both read; the two with different values are refused.
+        """
+        keys = list(conf.keys())  # first: a pending Celery config learns its prefix on loading
+        if namespace is None:
+            carried = getattr(conf, "prefix", None)
+            namespace = carried if isinstance(carried, str) else None
+        names = {f.name for f in fields(cls)}
+        prefixes = [CONFIG_PREFIX]
+        if namespace:
+            prefixes.insert(0, f"{namespace.rstrip('_')}_{CONFIG_PREFIX}".lower())
+        found: dict[str, tuple[str, Any]] = {}
+        for raw_key in keys:
+            raw = str(raw_key)
+            key = raw.lower()
+            prefix = next((p for p in prefixes if key.startswith(p)), None)
+            if prefix is None:
+                if not namespace and key.startswith(_DJANGO_STYLE_PREFIX):
+                    plain = raw[len(_DJANGO_STYLE_PREFIX) - len(CONFIG_PREFIX) :]
+                    raise ConfigurationError(
+                        f"celery_guard setting {raw!r} is not read: the app has no namespace. "
+                        "Pass namespace='CELERY' to app.config_from_object(), or spell it "
+                        f"{plain!r}"
+                    )
                 continue
-            if key not in known:
-                hint = difflib.get_close_matches(key, known, n=1)
-                suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-                raise ConfigurationError(f"unknown celery_guard setting {raw_key!r}{suggestion}")
-            values[known[key]] = conf[raw_key]
-        return cls(**values)
+            name = key[len(prefix) :]
+            if name not in names:
+                hint = difflib.get_close_matches(name, names, n=1)
+                suggestion = (
+                    f"; did you mean {_spelled_like(raw, len(prefix), hint[0])!r}?" if hint else ""
+                )
+                raise ConfigurationError(f"unknown celery_guard setting {raw!r}{suggestion}")
+            value = _raw_value(conf, raw_key)
+            if name in found:
+                other, other_value = found[name]
+                if not _same(value, other_value):
+                    raise ConfigurationError(
+                        f"celery_guard setting {name!r} is set twice, as {other!r} and {raw!r}, "
+                        "with different values; keep one"
+                        + (
+                            f", {_namespaced(namespace, name)!r} under the app's namespace"
+                            if namespace
+                            else ""
+                        )
+                    )
+                continue
+            found[name] = (raw, value)
+        try:
+            return cls(**{name: value for name, (_, value) in found.items()})
+        except ConfigurationError as exc:
+            spelled = {name: raw for name, (raw, _) in found.items()}
+            message = _respell(str(exc), names, spelled, namespace)
+            if message == str(exc):
+                raise
+            raise ConfigurationError(message) from None
 
     @property
     def error_policy(self) -> ErrorPolicy:
@@ -276,6 +345,58 @@ class GuardConfig:
     def safe_store_url(self) -> str:
         """The store URL with its password hidden, for logs and error messages."""
         return make_url(self.store_url).render_as_string(hide_password=True)
+
+
+def _raw_value(conf: Mapping[str, Any], key: Any) -> Any:
+    """``conf[key]`` as written: a Celery ``Settings`` with a prefix would answer a plain
+    ``guard_x`` with the namespaced ``NS_GUARD_X`` (``ConfigurationView._to_keys``), hiding a
+    conflict between the two."""
+    for mapping in getattr(conf, "maps", ()):
+        try:
+            return mapping[key]
+        except KeyError:
+            continue
+    return conf[key]
+
+
+def _same(one: Any, other: Any) -> bool:
+    try:
+        return bool(one == other)
+    except Exception:  # a value whose __eq__ fails cannot be shown to agree
+        return False
+
+
+def _spelled_like(raw: str, prefix_length: int, name: str) -> str:
+    """``name`` behind ``raw``'s prefix, in the case ``raw`` uses (``GUARD_X`` / ``guard_x``)."""
+    prefix = raw[:prefix_length]
+    text = prefix + name
+    return text.upper() if prefix.isupper() else text
+
+
+def _namespaced(namespace: str, name: str) -> str:
+    """The spelling Celery reads under ``namespace`` (``celery.utils.collections.match_case``)."""
+    key = f"{namespace.rstrip('_')}_{CONFIG_PREFIX}{name}"
+    return key.upper() if namespace.isupper() else key.lower()
+
+
+#: A field named in a validation message: ``guard_lease_ttl`` (not ``celery_guard``).
+_NAMED_FIELD = re.compile(r"\bguard_([a-z_]+[a-z])\b")
+
+
+def _respell(
+    message: str, names: set[str], spelled: Mapping[str, str], namespace: str | None
+) -> str:
+    """A validation message naming each setting as the config spells it."""
+
+    def name(match: re.Match[str]) -> str:
+        field = match.group(1)
+        if field not in names:
+            return match.group(0)
+        if field in spelled:
+            return spelled[field]
+        return _namespaced(namespace, field) if namespace else match.group(0)
+
+    return _NAMED_FIELD.sub(name, message)
 
 
 def normalize_store_url(url: object) -> str:

@@ -1,10 +1,13 @@
-"""``celery_guard.install(app)``: validate the ``guard_*`` config and wire the per-process hooks."""
+"""``celery_guard.install(app)``: wire the per-process hooks; settings are read when needed."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, signals
@@ -22,7 +25,7 @@ from celery_guard.keys import HEADER_KEY
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.lease.liveness import ProcessLiveness
-from celery_guard.outbox import PublishTracker, preset_stamp
+from celery_guard.outbox import PublishTracker, connect_tracking, preset_stamp
 from celery_guard.reaper import Reaper
 from celery_guard.sampling import PUBLISHED_AT_HEADER
 from celery_guard.store.sql import SqlStore
@@ -34,52 +37,137 @@ logger = logging.getLogger("celery_guard")
 _RUNTIME_ATTRIBUTE = "_celery_guard_runtime"
 
 
-class GuardRuntime:
-    """What celery_guard holds per app: its config, its store and the delivery handler."""
+@dataclass(frozen=True)
+class _Parts:
+    """Everything built from the settings, together, once."""
 
-    def __init__(self, app: Celery, config: GuardConfig) -> None:
+    config: GuardConfig
+    store: SqlStore
+    leases: LeaseBackend
+    heartbeat: Heartbeat
+    dead_letters: DeadLetterSink
+    handler: GuardHandler
+    tracker: PublishTracker | None
+    circuit: Circuit
+
+
+class GuardRuntime:
+    """What celery_guard holds per app: its config, its store and the delivery handler.
+
+    The parts are built from the app's settings when first used (a worker's start, the first
+    publish, the first task call), not by :func:`install`: Celery reads its own settings that
+    late too, so ``install(app)`` may come before ``app.config_from_object(...)``. A bad
+    setting raises :class:`ConfigurationError` from that first use, and from every later one.
+    """
+
+    def __init__(self, app: Celery, config: GuardConfig | None = None) -> None:
         self.app = app
-        self.config = config
-        self.store = SqlStore(config)
-        self.leases: LeaseBackend = (
-            SqlLeases(self.store)
+        #: The settings to use instead of the app's (read when first needed when ``None``).
+        self._given_config = config
+        self._parts: _Parts | None = None
+        self._lock = threading.Lock()
+        self.states = StateTracker()
+        self.states.on_change = metrics.record_executions
+        #: The reaper, in a worker's main process once the worker has started.
+        self.reaper: Reaper | None = None
+
+    def _built(self) -> _Parts:
+        parts = self._parts
+        if parts is not None:
+            return parts
+        with self._lock:
+            if self._parts is None:
+                self._parts = self._build()
+            return self._parts
+
+    def _build(self) -> _Parts:
+        app = self.app
+        config = self._given_config
+        if config is None:
+            config = GuardConfig.from_celery_conf(app.conf, app.namespace)
+        store = SqlStore(config)
+        leases: LeaseBackend = (
+            SqlLeases(store)
             if config.lease_url is None
             else RedisLeases(config.lease_url, timeout=config.store_timeout)
         )
-        self.heartbeat = Heartbeat(
-            self.leases, interval=config.renew_interval, observer=metrics.LeaseMetrics()
+        heartbeat = Heartbeat(
+            leases, interval=config.renew_interval, observer=metrics.LeaseMetrics()
         )
-        self.states = StateTracker()
-        self.states.on_change = metrics.record_executions
-        self.dead_letters = DeadLetterSink(app, self.store, config.dead_letter_queue)
-        self.handler = GuardHandler(
-            self.store,
-            self.leases,
-            self.heartbeat,
+        dead_letters = DeadLetterSink(app, store, config.dead_letter_queue)
+        handler = GuardHandler(
+            store,
+            leases,
+            heartbeat,
             lease_ttl=config.lease_ttl,
-            dead_letters=self.dead_letters,
+            dead_letters=dead_letters,
             backoff_base=config.backoff_base,
             backoff_max=config.backoff_max,
             control_flow=(Retry, Ignore, Reject),
             states=self.states,
             liveness=(
-                ProcessLiveness(self.store, recheck_after=config.lease_ttl)
+                ProcessLiveness(store, recheck_after=config.lease_ttl)
                 if config.liveness_locks
                 else None
             ),
             max_payload_bytes=config.max_payload_bytes,
         )
-        #: The reaper, in a worker's main process once the worker has started.
-        self.reaper: Reaper | None = None
-        #: Publish tracking (``guard_track_publishes``): records this app's guarded publishes.
-        self.tracker: PublishTracker | None = (
-            PublishTracker(app, self.store, max_payload_bytes=config.max_payload_bytes)
+        tracker = (
+            PublishTracker(app, store, max_payload_bytes=config.max_payload_bytes)
             if config.track_publishes
             else None
         )
         # -- backpressure (celery_guard.circuit): circuit breaker, adaptive concurrency --
-        self.circuit = Circuit(config)
-        self.circuit.watch(self.store, self.leases)
+        circuit = Circuit(config)
+        circuit.watch(store, leases)
+        return _Parts(config, store, leases, heartbeat, dead_letters, handler, tracker, circuit)
+
+    @property
+    def config(self) -> GuardConfig:
+        """The validated settings (read from the app's config on first access)."""
+        return self._built().config
+
+    @property
+    def store(self) -> SqlStore:
+        """The SQL store: keys, dead letters, workers, tracked publishes."""
+        return self._built().store
+
+    @property
+    def leases(self) -> LeaseBackend:
+        """Where leases live: the store's rows or Redis (``guard_lease_url``)."""
+        return self._built().leases
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        """Renews the leases of this process's running bodies."""
+        return self._built().heartbeat
+
+    @property
+    def dead_letters(self) -> DeadLetterSink:
+        """Keeps dead letters in the store and the dead-letter queue."""
+        return self._built().dead_letters
+
+    @property
+    def handler(self) -> GuardHandler:
+        """Runs one delivery: claim, body, completion."""
+        return self._built().handler
+
+    @property
+    def tracker(self) -> PublishTracker | None:
+        """Publish tracking (``guard_track_publishes``): records this app's guarded publishes."""
+        return self._built().tracker
+
+    @property
+    def circuit(self) -> Circuit:
+        """The store's circuit breaker and adaptive concurrency."""
+        return self._built().circuit
+
+    def load(self) -> GuardConfig:
+        """Read and check the settings now (once), build the parts, and return the settings.
+
+        :class:`ConfigurationError` names a bad setting as the config spells it.
+        """
+        return self._built().config
 
     def migrate(self) -> None:
         """Create the store's tables when missing."""
@@ -87,28 +175,45 @@ class GuardRuntime:
 
 
 def install(app: Celery) -> GuardRuntime:
-    """Validate the app's ``guard_*`` settings and connect celery_guard to its worker lifecycle.
+    """Connect celery_guard to the app's publishes and worker lifecycle.
 
-    Call it once, after the app is configured and before a worker starts. It does not touch the
-    network: the store is first reached from each worker process after fork. Calling it again
-    returns the runtime already installed.
+    Call it once, before a worker starts; before or after the app is configured
+    (``config_from_object``), as the ``guard_*`` settings are read, and checked, when first
+    needed: at worker start (a bad one stops the worker before it consumes), at the first
+    publish, at the first task call. It does not touch the network or read the settings.
+    Calling it again returns the runtime already installed.
     """
     existing = getattr(app, _RUNTIME_ATTRIBUTE, None)
     if isinstance(existing, GuardRuntime):
         return existing
-    runtime = GuardRuntime(app, GuardConfig.from_celery_conf(app.conf))
+    runtime = GuardRuntime(app)
     setattr(app, _RUNTIME_ATTRIBUTE, runtime)
     _mask_in_celery_views()
     metrics.connect_signals()
     signals.before_task_publish.connect(
         _stamp_publish_time, weak=False, dispatch_uid="celery_guard.published_at"
     )
-    if runtime.tracker is not None:
-        runtime.tracker.register()  # after the stamp: the record keeps the header's value
+    connect_tracking()  # after the stamp: a tracked record keeps the header's value
+    _wrap_send_task(app, runtime)
     _connect_worker_signals(app, runtime)
     app.steps["worker"].add(GuardStep)
     app.steps["worker"].add(CircuitStep)  # backpressure: the circuit's monitor
     return runtime
+
+
+def _wrap_send_task(app: Celery, runtime: GuardRuntime) -> None:
+    """Every publish of the app goes through ``send_task`` (``apply_async`` calls it too): the
+    first one reads the settings, so a bad one fails in the caller, and tracking applies."""
+    original = app.send_task
+
+    @functools.wraps(original)
+    def send_task(*args: Any, **kwargs: Any) -> Any:
+        tracker = runtime.tracker
+        if tracker is None:
+            return original(*args, **kwargs)
+        return tracker.publish(original, *args, **kwargs)
+
+    app.send_task = send_task
 
 
 #: Settings whose values may carry a password (``user:password@`` in the URL).
@@ -151,9 +256,15 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", app) is not app:
             return
+        try:
+            config = runtime.load()
+        except ConfigurationError:
+            # GuardStep raises it while the worker is set up, so the worker stops before it
+            # consumes; raised here, Celery's signal would only log it and go on.
+            return
         # Before the pool forks: every child writes its metrics where the main process reads.
         metrics.enable_multiprocess()
-        if runtime.config.create_tables:
+        if config.create_tables:
             # Once in the main process, before the pool forks, so children do not race to
             # create the same tables; then drop the connection so no child inherits it.
             try:

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -123,35 +122,27 @@ class PublishTracker:
         #: Publishes sent untracked since the store last failed.
         self._untracked = 0
 
-    def register(self) -> None:
-        """Track this app's guarded publishes (``install()``, with tracking on).
+    def publish(self, send_task: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Publish through the app's original ``send_task``, tracked.
 
         Every publish of the app goes through its ``send_task`` (``apply_async`` calls it too),
-        which is wrapped here to say which app publishes and to forget the record of a publish
-        that raised: the caller's error then means "not sent", and the reaper sends nothing.
+        which ``install()`` wraps to call this: it says which app publishes and forgets the
+        record of a publish that raised, so the caller's error means "not sent" and the reaper
+        sends nothing.
         """
-        signals.before_task_publish.connect(
-            _on_before_publish, weak=False, dispatch_uid="celery_guard.track_publish"
-        )
-        original = self.app.send_task
-
-        @functools.wraps(original)
-        def send_task(*args: Any, **kwargs: Any) -> Any:
-            outer = _CONTEXT.get()
-            if outer is not None and not outer.track:
-                return original(*args, **kwargs)
-            context = _Context(track=True, tracker=self)
-            token = _CONTEXT.set(context)
-            try:
-                return original(*args, **kwargs)
-            except BaseException:
-                for key, task_id in context.written:
-                    self.forget(key, task_id, why="its publish failed")
-                raise
-            finally:
-                _CONTEXT.reset(token)
-
-        self.app.send_task = send_task
+        outer = _CONTEXT.get()
+        if outer is not None and not outer.track:
+            return send_task(*args, **kwargs)
+        context = _Context(track=True, tracker=self)
+        token = _CONTEXT.set(context)
+        try:
+            return send_task(*args, **kwargs)
+        except BaseException:
+            for key, task_id in context.written:
+                self.forget(key, task_id, why="its publish failed")
+            raise
+        finally:
+            _CONTEXT.reset(token)
 
     def guarded_task(self, name: str) -> Any | None:
         """The app's GuardedTask of this name, or ``None`` (not registered, or not guarded)."""
@@ -341,6 +332,13 @@ def _timestamp(value: Any) -> float | None:
         return moment.timestamp()
     except (TypeError, ValueError):
         return None
+
+
+def connect_tracking() -> None:
+    """Record tracked publishes (``install()``; a no-op for a publish no tracker sends)."""
+    signals.before_task_publish.connect(
+        _on_before_publish, weak=False, dispatch_uid="celery_guard.track_publish"
+    )
 
 
 def _on_before_publish(

@@ -8,9 +8,11 @@ import time
 from typing import Any
 
 from celery import bootsteps
+from sqlalchemy.engine import make_url
 
 from celery_guard import metrics
 from celery_guard.circuit.breaker import CircuitState
+from celery_guard.config import DEFAULT_STORE_URL, GuardConfig, normalize_store_url
 from celery_guard.errors import StoreError
 from celery_guard.metrics import MetricsServer, WorkerSnapshot, build_registry
 from celery_guard.outbox import UnclaimedRepublisher
@@ -31,6 +33,12 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
     requires = ("celery.worker.components:Pool",)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
+        from celery_guard.install import get_runtime  # install imports this module
+
+        # The settings are read when first needed; a worker needs them now. A bad one raises
+        # out of the worker's setup (an error from the worker_init signal would only be
+        # logged), so the worker exits before it consumes anything.
+        get_runtime(parent.app).load()
         super().__init__(parent, **kwargs)
         self.reaper: Reaper | None = None
         self.monitor: WorkerMonitor | None = None
@@ -46,6 +54,7 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         runtime = get_runtime(parent.app)
         runtime.states.set_lifecycle_ready()
         config = runtime.config
+        warn_if_embedded_store(config)
         monitor = WorkerMonitor(runtime, parent)
         self.monitor = monitor
         # The reaper's loop also carries this worker's heartbeat, so it runs even when the
@@ -113,6 +122,26 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
 
         get_runtime(parent.app).states.set_lifecycle(WorkerState.STOPPED, reason="shutdown")
         self._stop_monitoring()
+
+
+def warn_if_embedded_store(config: GuardConfig) -> None:
+    """Say so once per worker start when the store is the embedded SQLite default.
+
+    A worker without ``guard_store_url`` (or whose setting went unread) works, alone, on a
+    file in its working directory; every other host, and a worker started from another
+    directory, has a file of its own, and so runs the same key again. A SQLite URL set on
+    purpose is a choice (one host, one file) and is not warned about.
+    """
+    if config.store_url != normalize_store_url(DEFAULT_STORE_URL):
+        return
+    database = make_url(config.store_url).database or ""
+    logger.warning(
+        "celery_guard store is the embedded SQLite default, %s: deduplication holds only among "
+        "processes sharing that file (this worker's, and others started in the same "
+        "directory on this host). Set guard_store_url (CELERY_GUARD_STORE_URL under a "
+        "namespace) to a postgresql:// URL shared by all workers and producers.",
+        os.path.abspath(database),
+    )
 
 
 def drain(runtime: Any, hostname: str) -> list[str]:

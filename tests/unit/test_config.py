@@ -1,4 +1,4 @@
-"""GuardConfig: every bad value fails at install() with a message naming its key."""
+"""GuardConfig: how settings are spelled, and every bad value failing at first use, named."""
 
 from __future__ import annotations
 
@@ -67,12 +67,16 @@ def test_postgresql_urls_are_pinned_to_psycopg3() -> None:
         ("guard_track_publish", True, "did you mean 'guard_track_publishes'"),
     ],
 )
-def test_bad_values_fail_at_install_naming_the_key(key: str, value: object, message: str) -> None:
+def test_bad_values_fail_at_first_use_naming_the_key(key: str, value: object, message: str) -> None:
     app = make_app(**{key: value})
-    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace("+", r"\+")):
-        celery_guard.install(app)
-    with pytest.raises(ConfigurationError, match="install"):
-        celery_guard.get_runtime(app)
+    runtime = celery_guard.install(app)  # reads no setting: the app may not be configured yet
+    pattern = message.replace("(", r"\(").replace("+", r"\+")
+    with pytest.raises(ConfigurationError, match=pattern):
+        _ = runtime.config
+    with pytest.raises(ConfigurationError, match=pattern):  # and again: never half-built
+        _ = celery_guard.get_runtime(app).store
+    with pytest.raises(ConfigurationError, match=pattern):  # a producer's first publish
+        app.send_task("config_test.anything")
 
 
 def test_publish_tracking_is_off_by_default_and_waits_five_minutes() -> None:
@@ -133,12 +137,12 @@ def test_circuit_and_adaptive_concurrency_defaults() -> None:
         ("guard_circuit_treshold", 0.5, "unknown celery_guard setting 'guard_circuit_treshold'"),
     ],
 )
-def test_bad_circuit_values_fail_at_install_naming_the_key(
+def test_bad_circuit_values_fail_at_first_use_naming_the_key(
     key: str, value: object, message: str
 ) -> None:
     app = make_app(**{key: value})
     with pytest.raises(ConfigurationError, match=message):
-        celery_guard.install(app)
+        celery_guard.install(app).load()
 
 
 def test_passwords_never_show_in_reprs_errors_or_celerys_config_views() -> None:
@@ -157,4 +161,128 @@ def test_passwords_never_show_in_reprs_errors_or_celerys_config_views() -> None:
     # What `celery inspect conf`, `celery report` and Flower show.
     table = app.conf.table(with_defaults=False)
     assert table["guard_store_url"] == table["guard_lease_url"] == "********"
+    assert "s3cret" not in app.conf.humanize(with_defaults=False)
+
+
+# -- spellings: Celery's namespace, upper case, both orders of install and configuration -------
+
+
+class DjangoSettings:
+    """What ``config_from_object("django.conf:settings", namespace="CELERY")`` reads."""
+
+    DEBUG = False
+    INSTALLED_APPS = ("shop",)
+    CELERY_BROKER_URL = "memory://"
+    CELERY_GUARD_STORE_URL = "postgresql://shop:s3cret@127.0.0.1/shop"
+    CELERY_GUARD_LEASE_TTL = 5
+
+
+def settings(**extra: object) -> type:
+    return type("Settings", (DjangoSettings,), extra)
+
+
+def namespaced_app(obj: object, *, install_first: bool) -> Celery:
+    app = Celery("config_test", set_as_current=False)
+    if install_first:
+        celery_guard.install(app)
+        app.config_from_object(obj, namespace="CELERY")
+    else:
+        app.config_from_object(obj, namespace="CELERY")
+        celery_guard.install(app)
+    return app
+
+
+@pytest.mark.parametrize("install_first", [True, False], ids=["install-first", "configure-first"])
+def test_namespaced_settings_are_read_in_either_order(install_first: bool) -> None:
+    app = namespaced_app(settings(), install_first=install_first)
+    config = celery_guard.get_runtime(app).config
+    assert config.store_url == "postgresql+psycopg://shop:s3cret@127.0.0.1/shop"
+    assert config.lease_ttl == 5
+    assert app.conf.broker_url == "memory://"  # Celery reads its own keys the same way
+
+
+def test_settings_changed_after_install_are_the_ones_used() -> None:
+    app = make_app(guard_lease_ttl=3)
+    runtime = celery_guard.install(app)
+    app.conf.guard_lease_ttl = 4
+    assert runtime.config.lease_ttl == 4
+
+
+@pytest.mark.parametrize("install_first", [True, False], ids=["install-first", "configure-first"])
+def test_a_misspelled_namespaced_setting_is_refused_at_first_publish(install_first: bool) -> None:
+    app = namespaced_app(settings(CELERY_GUARD_LEASE_TLL=5), install_first=install_first)
+    message = (
+        "unknown celery_guard setting 'CELERY_GUARD_LEASE_TLL'; "
+        "did you mean 'CELERY_GUARD_LEASE_TTL'?"
+    )
+    with pytest.raises(ConfigurationError) as caught:
+        app.send_task("config_test.anything")
+    assert str(caught.value) == message
+    with pytest.raises(ConfigurationError, match="CELERY_GUARD_LEASE_TTL"):
+        _ = celery_guard.get_runtime(app).config
+
+
+def test_the_namespace_from_celerys_constructor_and_in_lower_case() -> None:
+    upper = Celery("config_test", set_as_current=False, namespace="CELERY")
+    upper.conf.update(CELERY_GUARD_LEASE_TTL=6)
+    assert GuardConfig.from_celery_conf(upper.conf).lease_ttl == 6
+    lower = Celery("config_test", set_as_current=False, namespace="celery")
+    lower.conf.update(celery_guard_lease_ttl=7, celery_guard_reaper_intervall=1)
+    with pytest.raises(ConfigurationError, match="did you mean 'celery_guard_reaper_interval'"):
+        GuardConfig.from_celery_conf(lower.conf)
+
+
+def test_plain_keys_are_read_under_a_namespace_but_not_against_a_namespaced_one() -> None:
+    agreeing = namespaced_app(
+        settings(guard_lease_ttl=5, guard_reaper_interval=1.5), install_first=True
+    )
+    config = celery_guard.get_runtime(agreeing).config
+    assert (config.lease_ttl, config.reaper_interval) == (5, 1.5)
+    clashing = namespaced_app(
+        settings(guard_store_url="sqlite:///other.sqlite3"), install_first=True
+    )
+    with pytest.raises(ConfigurationError) as caught:
+        _ = celery_guard.get_runtime(clashing).config
+    assert str(caught.value) == (
+        "celery_guard setting 'store_url' is set twice, as 'CELERY_GUARD_STORE_URL' and "
+        "'guard_store_url', with different values; keep one, 'CELERY_GUARD_STORE_URL' under "
+        "the app's namespace"
+    )
+
+
+def test_a_bad_namespaced_value_is_named_as_the_config_spells_it() -> None:
+    app = namespaced_app(settings(CELERY_GUARD_LEASE_TTL="ten"), install_first=True)
+    with pytest.raises(ConfigurationError) as caught:
+        _ = celery_guard.get_runtime(app).config
+    assert str(caught.value) == "CELERY_GUARD_LEASE_TTL must be a number of seconds, got 'ten'"
+    renewal = namespaced_app(settings(CELERY_GUARD_LEASE_RENEW_INTERVAL=9), install_first=True)
+    with pytest.raises(ConfigurationError) as caught:
+        _ = celery_guard.get_runtime(renewal).config
+    assert str(caught.value).startswith(
+        "CELERY_GUARD_LEASE_RENEW_INTERVAL (9) must be shorter than CELERY_GUARD_LEASE_TTL (5)"
+    )
+
+
+def test_namespaced_keys_without_a_namespace_are_refused_not_ignored() -> None:
+    app = Celery("config_test", set_as_current=False)
+    app.config_from_object(settings())  # namespace="CELERY" forgotten
+    with pytest.raises(ConfigurationError) as caught:
+        GuardConfig.from_celery_conf(app.conf)
+    assert "is not read: the app has no namespace" in str(caught.value)
+    assert "namespace='CELERY'" in str(caught.value)
+
+
+def test_upper_case_keys_without_a_namespace() -> None:
+    config = GuardConfig.from_celery_conf(make_app(GUARD_LEASE_TTL=3).conf)
+    assert config.lease_ttl == 3
+    with pytest.raises(ConfigurationError, match="did you mean 'GUARD_LEASE_TTL'"):
+        GuardConfig.from_celery_conf(make_app(GUARD_LEASE_TLL=3).conf)
+    with pytest.raises(ConfigurationError, match="set twice, as 'GUARD_LEASE_TTL' and 'guard_"):
+        GuardConfig.from_celery_conf(make_app(GUARD_LEASE_TTL=3, guard_lease_ttl=4).conf)
+
+
+def test_namespaced_urls_are_masked_in_celerys_config_views() -> None:
+    app = namespaced_app(settings(), install_first=True)
+    table = app.conf.table(with_defaults=False)
+    assert table["CELERY_GUARD_STORE_URL"] == "********"
     assert "s3cret" not in app.conf.humanize(with_defaults=False)
