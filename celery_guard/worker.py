@@ -8,10 +8,11 @@ import time
 from typing import Any
 
 from celery import bootsteps
+from celery.signals import beat_init
 
 from celery_guard import metrics
 from celery_guard.circuit.breaker import CircuitState
-from celery_guard.errors import StoreError
+from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.metrics import MetricsServer, WorkerSnapshot, build_registry
 from celery_guard.outbox import UnclaimedRepublisher
 from celery_guard.reaper import Reaper, ReaperReport
@@ -46,6 +47,9 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         runtime = get_runtime(parent.app)
         runtime.states.set_lifecycle_ready()
         config = runtime.config
+        from celery_guard.schedules import warn_constant_keys  # imports task, which imports us
+
+        warn_constant_keys(parent.app, config.result_ttl)
         monitor = WorkerMonitor(runtime, parent)
         self.monitor = monitor
         # The reaper's loop also carries this worker's heartbeat, so it runs even when the
@@ -113,6 +117,24 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
 
         get_runtime(parent.app).states.set_lifecycle(WorkerState.STOPPED, reason="shutdown")
         self._stop_monitoring()
+
+
+def check_beat_schedule(sender: Any = None, **_: Any) -> None:
+    """``beat_init`` receiver: ``celery beat`` warns about constant keys as a worker does."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    from celery_guard.install import get_runtime
+    from celery_guard.schedules import warn_constant_keys
+
+    try:
+        runtime = get_runtime(app)
+    except ConfigurationError:
+        return  # an app without celery_guard
+    warn_constant_keys(app, runtime.config.result_ttl)
+
+
+beat_init.connect(check_beat_schedule, weak=False, dispatch_uid="celery_guard.beat_schedule")
 
 
 def drain(runtime: Any, hostname: str) -> list[str]:
