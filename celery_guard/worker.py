@@ -21,9 +21,6 @@ from celery_guard.worker_state import WorkerState, combine_state
 
 logger = logging.getLogger("celery_guard.worker")
 
-#: Where Celery defines its built-in tasks (celery/app/builtins.py).
-_CELERY_BUILTINS = "celery.app.builtins"
-
 
 class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
     """Started after the pool (so no thread of ours is ever forked into a child)."""
@@ -181,18 +178,7 @@ class WorkerMonitor:
         self.sample_: Sample | None = None
         queues = sorted(parent.app.amqp.queues.consume_from or parent.app.amqp.queues)
         self.sampler = Sampler(parent.app, runtime.store, queues)
-        from celery_guard.task import GuardedTask  # task imports install, which imports us
-
-        # Celery's own canvas tasks (celery.chord, celery.chain...) are GuardedTasks too when
-        # the app's task_cls is, but declaring them would add a dozen zero series per outcome
-        # that no alert reads; they appear if they ever run.
-        metrics.declare_series(
-            sorted(
-                name
-                for name, task in parent.app.tasks.items()
-                if isinstance(task, GuardedTask) and task.__module__ != _CELERY_BUILTINS
-            )
-        )
+        metrics.declare_series()
 
     def state(self) -> tuple[str, int, int]:
         """(state, running, fenced): the main process's lifecycle, else its children's work."""
