@@ -172,7 +172,8 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         """Send the task; ``idempotency_key=...`` sets a per-call key (carried in a header).
 
         The key is computed and checked here when it can be, so a bad key or unserializable
-        arguments fail in the caller, before anything is sent.
+        arguments fail in the caller, before anything is sent. Arguments that do not fit the
+        task's signature raise the ``TypeError`` plain Celery raises, before the key is formatted.
         """
         if self.typing:
             # Celery checks the arguments too, but only after the key below is formatted from
