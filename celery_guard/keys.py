@@ -16,6 +16,8 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
+from celery.utils.functional import head_from_fun
+
 from celery_guard import serialization
 from celery_guard.errors import ConfigurationError, InvalidIdempotencyKey, UnserializableArguments
 
@@ -130,14 +132,63 @@ def _signature(fun: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(fun)
 
 
-def bind_arguments(
+@functools.lru_cache(maxsize=1024)
+def _argument_checker(fun: Callable[..., Any]) -> Callable[..., Any]:
+    # Celery's own check (Task.apply_async with ``typing`` on): a function with fun's signature
+    # and an empty body, whose call raises the TypeError Python gives for the real call.
+    checker: Callable[..., Any] = head_from_fun(fun, bound=inspect.ismethod(fun))
+    return checker
+
+
+def call_error(
     fun: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> TypeError | None:
+    """The ``TypeError`` calling ``fun(*args, **kwargs)`` would raise for arguments that do not
+    fit its signature (``"f() missing 1 required positional argument: 'x'"``), else ``None``."""
+    try:
+        _signature(fun).bind(*args, **kwargs)
+    except TypeError as mismatch:
+        try:
+            _argument_checker(fun)(*args, **kwargs)
+        except TypeError as exc:
+            return TypeError(_qualified(fun, str(exc)))
+        except Exception:  # a signature Celery's helper cannot copy
+            pass
+        return mismatch
+    except ValueError:
+        pass  # no signature to check against (a builtin): the call itself will tell
+    return None
+
+
+def _qualified(fun: Callable[..., Any], message: str) -> str:
+    # Celery's copy of the signature knows only fun's __name__; Python's own message names its
+    # __qualname__ (a method's class, an enclosing function), as the body's real call would.
+    name = getattr(fun, "__name__", None)
+    qualname = getattr(fun, "__qualname__", name)
+    if name and qualname and qualname != name and message.startswith(f"{name}()"):
+        return f"{qualname}{message[len(name) :]}"
+    return message
+
+
+def bind_arguments(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    strict: bool = False,
 ) -> dict[str, Any]:
-    """Arguments by parameter name, defaults applied, so positional and keyword calls agree."""
+    """Arguments by parameter name, defaults applied, so positional and keyword calls agree.
+
+    Arguments that do not fit the signature: with ``strict``, raises the ``TypeError`` the call
+    would raise (the message plain Celery gives); otherwise they are keyed as sent, and the
+    body's call raises that ``TypeError``.
+    """
     try:
         bound = _signature(fun).bind(*args, **kwargs)
     except (TypeError, ValueError):
-        # Arguments that do not fit the signature fail in the body anyway; fingerprint them as sent.
+        error = call_error(fun, args, kwargs) if strict else None
+        if error is not None:
+            raise error from None
         return {"args": list(args), "kwargs": dict(kwargs)}
     bound.apply_defaults()
     return dict(bound.arguments)
@@ -174,11 +225,12 @@ def key_from_option(
     """The key a task option yields for these arguments, or ``None`` when there is no option.
 
     ``arguments`` is ``bind_arguments(fun, args, kwargs)`` when the caller has it already.
+    Arguments that do not fit ``fun``'s signature raise the ``TypeError`` their call would.
     """
     if option is None:
         return None
     if option is BY_ARGUMENTS or isinstance(option, str):
-        bound = bind_arguments(fun, args, kwargs) if arguments is None else arguments
+        bound = bind_arguments(fun, args, kwargs, strict=True) if arguments is None else arguments
     if option is BY_ARGUMENTS:
         return f"{task_name}:{payload_fingerprint(task_name, bound)}"
     if isinstance(option, str):

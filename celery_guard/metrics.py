@@ -526,17 +526,17 @@ def record_reaper_pass(
         metrics["celery_guard_unclaimed_abandoned"].inc(unclaimed_abandoned)
 
 
-def declare_series(task_names: list[str]) -> None:
-    """Create the known label combinations at zero (worker start).
+def declare_series() -> None:
+    """Create this worker's fixed label combinations at zero (worker start).
 
-    A labelled counter otherwise appears only at its first increment, and ``increase()`` over
-    a series that did not exist a moment ago misses that first event, which is exactly the
-    one a rare-event alert (a dead letter, a fenced commit) is written for.
+    Only the few per-worker ones (renewal failures, lease expirations, store calls: 8 series),
+    so ``rate()`` over them reads 0 rather than nothing from the start. Per-task series are
+    not declared: each task name would cost a series per outcome whether it ever happened or
+    not (11 per task; 2,200 for 200 task names). They appear at their first event, which the
+    shipped rare-event alerts count in full (``x unless x offset 10m``); see
+    docs/monitoring.md, "Cardinality".
     """
     metrics = process_metrics()
-    for task in task_names:
-        for outcome in signals.OUTCOMES:
-            metrics["celery_guard_tasks"].labels(task=task, outcome=outcome)
     for reason in ("store_error", "lost"):
         metrics["celery_guard_lease_renewal_failures"].labels(reason=reason)
     for cause in ("taken_over", "expired", "store_unreachable"):

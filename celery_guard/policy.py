@@ -45,11 +45,22 @@ DEFAULT_TRANSIENT: tuple[type[BaseException], ...] = (
     TimeoutError,
     SoftTimeLimitExceeded,
 )
+#: Programming errors are here too: a retry runs the same code and fails the same way, while
+#: five retries hide the bug and delay its dead letter. Dead-lettered at once, the delivery is
+#: replayed once the fix is deployed. ``ModuleNotFoundError`` is an ``ImportError``,
+#: ``UnboundLocalError`` a ``NameError``, ``IndentationError`` a ``SyntaxError``. A task (or the
+#: app) that wants one of them retried lists it in ``transient_errors``: the layers come first.
 DEFAULT_PERMANENT: tuple[type[BaseException], ...] = (
     PermanentError,
     ValueError,
     KeyError,
     TypeError,
+    NameError,
+    AttributeError,
+    ImportError,
+    SyntaxError,
+    NotImplementedError,
+    AssertionError,
     IdempotencyConflict,
     InvalidIdempotencyKey,
     UnserializableArguments,

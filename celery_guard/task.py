@@ -22,7 +22,6 @@ from celery_guard.errors import (
     InFlightElsewhere,
     InvalidIdempotencyKey,
     StoreError,
-    UnserializableArguments,
 )
 from celery_guard.execution import Execution
 from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater, oversize
@@ -191,8 +190,15 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         """Send the task; ``idempotency_key=...`` sets a per-call key (carried in a header).
 
         The key is computed and checked here when it can be, so a bad key or unserializable
-        arguments fail in the caller, before anything is sent.
+        arguments fail in the caller, before anything is sent. Arguments that do not fit the
+        task's signature raise the ``TypeError`` plain Celery raises, before the key is formatted.
         """
+        if self.typing:
+            # Celery checks the arguments too, but only after the key below is formatted from
+            # them: check first, so wrong arguments give the TypeError plain Celery gives.
+            check_arguments = getattr(self, "__header__", None)
+            if check_arguments is not None:
+                check_arguments(*(args or ()), **(kwargs or {}))
         per_call_key = options.pop("idempotency_key", None)
         headers = dict(options.pop("headers", None) or {})
         if per_call_key is not None:
@@ -232,7 +238,9 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             return self._call_directly(runtime.store, args, kwargs)
         try:
             delivery = self._delivery(request, args, kwargs, runtime.config)
-        except (InvalidIdempotencyKey, UnserializableArguments) as exc:
+        except (InvalidIdempotencyKey, TypeError) as exc:
+            # TypeError: UnserializableArguments, or arguments that do not fit the signature
+            # (a producer that skipped apply_async's check, or a rolling deploy's older task).
             if not request.is_eager:
                 self._keep_undeliverable(runtime, request, args, kwargs, exc)
             raise
@@ -282,10 +290,17 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             raise
 
     def _keep_undeliverable(
-        self, runtime: Any, request: Any, args: Any, kwargs: Any, exc: GuardError
+        self, runtime: Any, request: Any, args: Any, kwargs: Any, exc: Exception
     ) -> None:
         """A delivery with no usable key (a producer that skipped ``apply_async``'s checks):
         it fails, and its message is kept as a dead letter instead of being acknowledged away."""
+        if isinstance(exc, GuardError):
+            reason = "no usable idempotency key: fix the producer (or the key option), then replay"
+        else:
+            reason = (
+                "the arguments do not fit the task's signature: deploy the task version the "
+                "producer calls (or fix the producer), then replay"
+            )
         headers = request.headers or {}
         delivery_info = request.delivery_info or {}
         message = storable_json(
@@ -313,7 +328,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             error_type=type(exc).__name__,
             error=str(exc)[:2000],
             traceback=None,
-            reason="no usable idempotency key: fix the producer (or the key option), then replay",
+            reason=reason,
             attempts=0,
         )
         try:
@@ -358,7 +373,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
 
     def _delivery(self, request: Any, args: Any, kwargs: Any, config: GuardConfig) -> Delivery:
         headers = request.headers or {}
-        arguments = bind_arguments(self.run, args, kwargs)
+        try:
+            arguments: dict[str, Any] | None = bind_arguments(self.run, args, kwargs, strict=True)
+        except TypeError:
+            # A key option over the arguments raises this again below; a task-id or header key
+            # does not need them, and the body's call raises it (a permanent error).
+            arguments = None
         key, source = resolve_key(
             headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None),
             headers.get(HEADER_KEY_SOURCE) or getattr(request, HEADER_KEY_SOURCE, None),
@@ -366,7 +386,10 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             request.id,
         )
         try:
-            fingerprint: str | None = payload_fingerprint(self.name, arguments)
+            fingerprint: str | None = payload_fingerprint(
+                self.name,
+                bind_arguments(self.run, args, kwargs) if arguments is None else arguments,
+            )
         except GuardError:
             if source is not KeySource.TASK_ID:
                 raise

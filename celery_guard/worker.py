@@ -8,12 +8,13 @@ import time
 from typing import Any
 
 from celery import bootsteps
+from celery.signals import beat_init
 from sqlalchemy.engine import make_url
 
 from celery_guard import metrics
 from celery_guard.circuit.breaker import CircuitState
 from celery_guard.config import DEFAULT_STORE_URL, GuardConfig, normalize_store_url
-from celery_guard.errors import StoreError
+from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.metrics import MetricsServer, WorkerSnapshot, build_registry
 from celery_guard.outbox import UnclaimedRepublisher
 from celery_guard.reaper import Reaper, ReaperReport
@@ -21,9 +22,6 @@ from celery_guard.sampling import Sample, Sampler
 from celery_guard.worker_state import WorkerState, combine_state
 
 logger = logging.getLogger("celery_guard.worker")
-
-#: Where Celery defines its built-in tasks (celery/app/builtins.py).
-_CELERY_BUILTINS = "celery.app.builtins"
 
 
 class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
@@ -55,6 +53,9 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         runtime.states.set_lifecycle_ready()
         config = runtime.config
         warn_if_embedded_store(config)
+        from celery_guard.schedules import warn_constant_keys  # imports task, which imports us
+
+        warn_constant_keys(parent.app, config.result_ttl)
         monitor = WorkerMonitor(runtime, parent)
         self.monitor = monitor
         # The reaper's loop also carries this worker's heartbeat, so it runs even when the
@@ -144,6 +145,24 @@ def warn_if_embedded_store(config: GuardConfig) -> None:
     )
 
 
+def check_beat_schedule(sender: Any = None, **_: Any) -> None:
+    """``beat_init`` receiver: ``celery beat`` warns about constant keys as a worker does."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    from celery_guard.install import get_runtime
+    from celery_guard.schedules import warn_constant_keys
+
+    try:
+        runtime = get_runtime(app)
+    except ConfigurationError:
+        return  # an app without celery_guard
+    warn_constant_keys(app, runtime.config.result_ttl)
+
+
+beat_init.connect(check_beat_schedule, weak=False, dispatch_uid="celery_guard.beat_schedule")
+
+
 def drain(runtime: Any, hostname: str) -> list[str]:
     """Wait up to ``guard_drain_timeout`` for this worker's running bodies, then revoke the rest.
 
@@ -188,18 +207,7 @@ class WorkerMonitor:
         self.sample_: Sample | None = None
         queues = sorted(parent.app.amqp.queues.consume_from or parent.app.amqp.queues)
         self.sampler = Sampler(parent.app, runtime.store, queues)
-        from celery_guard.task import GuardedTask  # task imports install, which imports us
-
-        # Celery's own canvas tasks (celery.chord, celery.chain...) are GuardedTasks too when
-        # the app's task_cls is, but declaring them would add a dozen zero series per outcome
-        # that no alert reads; they appear if they ever run.
-        metrics.declare_series(
-            sorted(
-                name
-                for name, task in parent.app.tasks.items()
-                if isinstance(task, GuardedTask) and task.__module__ != _CELERY_BUILTINS
-            )
-        )
+        metrics.declare_series()
 
     def state(self) -> tuple[str, int, int]:
         """(state, running, fenced): the main process's lifecycle, else its children's work."""

@@ -248,6 +248,60 @@ def test_keys_and_arguments_the_store_cannot_hold_fail_in_the_caller(
         shop.by_args.delay("\ud800", 1)
 
 
+def test_arguments_that_do_not_fit_fail_in_the_caller_as_in_plain_celery(
+    shop: ModuleType,
+) -> None:
+    """With a key option over the arguments, too: the check comes before the key."""
+    plain = Celery("plain-producer", broker="memory://", set_as_current=False)
+    plain_record = plain.task(name="plain.record", bind=True)(shop.record.__wrapped__)
+    plain_by_args = plain.task(name="plain.by_args", bind=True)(shop.by_args.__wrapped__)
+    cases = [
+        (shop.record, plain_record, (), {}, "missing 1 required positional argument: 'tag'"),
+        (shop.record, plain_record, ("t",), {"colour": 1}, "unexpected keyword argument 'colour'"),
+        (shop.by_args, plain_by_args, ("t",), {}, "missing 1 required positional argument: 'n'"),
+        (shop.by_args, plain_by_args, ("t", 1, 2), {}, "takes 3 positional arguments but 4"),
+    ]
+    for guarded, unguarded, args, kwargs, message in cases:
+        with pytest.raises(TypeError) as expected:
+            unguarded.apply_async(args, kwargs)
+        with pytest.raises(TypeError) as raised:
+            guarded.apply_async(args, kwargs)
+        assert type(raised.value) is TypeError and message in str(raised.value)
+        assert str(raised.value) == str(expected.value), "the message plain Celery gives"
+        with pytest.raises(TypeError, match=message):
+            guarded.apply_async(args, kwargs, idempotency_key="a-per-call-key")
+
+
+def test_arguments_that_do_not_fit_from_a_foreign_producer_are_dead_lettered(
+    scene: Scene,
+) -> None:
+    """send_task skips apply_async's check: the worker raises the TypeError and keeps the
+    message (a key option needs the arguments: no key, so no execution) or dead-letters it
+    after the one execution whose call raised it (a task-id key)."""
+    scene.start_worker()
+    tag = uuid.uuid4().hex[:12]
+    missing = scene.send("shop.record")  # its key option formats {tag}
+    extra = scene.send("shop.record_by_id", tag, "surplus")  # keyed by the task id
+    with pytest.raises(TypeError) as raised:
+        missing.get(timeout=RESULT_TIMEOUT)
+    assert str(raised.value) == "record() missing 1 required positional argument: 'tag'"
+    letter = scene.wait_for_letter(missing.id, "shop.record")
+    assert (letter.error_class, letter.error_type, letter.attempts) == ("permanent", "TypeError", 0)
+    assert letter.error == str(raised.value) and "signature" in letter.reason
+    assert letter.message is not None and json.loads(letter.message)["args"] == []
+    assert letter.id in scene.queued_letter_ids()
+
+    with pytest.raises(TypeError, match=r"record_by_id\(\) takes 2 positional arguments but 3"):
+        extra.get(timeout=RESULT_TIMEOUT)
+    letter = scene.wait_for_letter(extra.id, "shop.record_by_id")
+    assert (letter.error_class, letter.error_type, letter.attempts) == ("permanent", "TypeError", 1)
+    record = scene.store.get(extra.id)
+    assert record is not None and (record.state, record.attempts) == ("DEAD", 1)
+    assert letter.message is not None and json.loads(letter.message)["args"] == [tag, "surplus"]
+    assert scene.effects(tag) == 0
+    assert scene.queued_messages() == 0, "both messages were acknowledged, not left to loop"
+
+
 def test_an_oversized_result_is_dead_lettered_and_replays_once_the_bound_is_raised(
     scene: Scene,
 ) -> None:

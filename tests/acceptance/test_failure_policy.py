@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -99,6 +100,27 @@ def test_a_permanent_error_is_dead_lettered_after_one_attempt(
     assert not any(
         f"[{later.id}] raised unexpected" in worker.log_text() for worker in shop_workers
     )
+
+
+def test_a_programming_error_is_dead_lettered_after_one_execution(
+    shop: ModuleType, shop_workers: list[WorkerProcess], shop_env: dict[str, str], tag: str
+) -> None:
+    with pytest.raises(NameError, match="undefined_helper"):
+        shop.buggy.delay(tag).get(timeout=RESULT_TIMEOUT)
+    key = f"buggy:{tag}"
+    record = key_record(shop, key)
+    assert record is not None and (record.state, record.attempts) == ("DEAD", 1)
+    runs = (Path(shop_env["CG_MARKER_DIR"]) / f"{tag}.runs").read_text().split()
+    assert runs == ["1"], "one execution: retrying cannot fix a bug"
+    assert effect_count(shop, tag) == 0
+    (letter,) = dead_letters_for(shop, key)
+    assert (letter.error_class, letter.error_type, letter.attempts, letter.reason) == (
+        "permanent",
+        "NameError",
+        1,
+        "permanent error",
+    )
+    assert letter.message is not None and json.loads(letter.message)["args"] == [tag]
 
 
 def test_transient_failures_past_the_attempt_limit_are_dead_lettered(

@@ -9,6 +9,7 @@ a second worker SIGKILLed that must drop out of ``celery_guard_worker_up`` withi
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import celery_guard
 from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
 from tests.acceptance.conftest import (
+    ROOT,
     new_store_database,
     start_workers,
     wait_owner,
@@ -115,14 +117,11 @@ def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_c
     (worker,) = start_workers(1, scene.env, queues=scene.queue, concurrency=2)
     scene.workers.append(worker)
     tag = uuid.uuid4().hex[:10]
-    # Known series exist at zero from the start, so increase() sees their first event.
-    dead_lettered = ("task", "shop.reject_order"), ("outcome", "dead_lettered")
-    assert scene.scrape()[("celery_guard_tasks_total", frozenset(dead_lettered))] == 0
-    # Not Celery's built-in canvas tasks, though GuardedTasks too (task_cls): only noise.
-    assert not any(
-        name == "celery_guard_tasks_total" and dict(labels)["task"].startswith("celery.")
-        for name, labels in scene.scrape()
-    )
+    # No per-task series before a task runs (docs/monitoring.md, "Cardinality"); the few
+    # per-worker label sets exist at zero from the start.
+    at_start = scene.scrape()
+    assert not any("task" in dict(labels) for _, labels in at_start)
+    assert at_start[("celery_guard_store_calls_total", frozenset({("result", "error")}))] == 0
 
     # Two duplicates prevented: three deliveries of one key, one after the other.
     for _ in range(3):
@@ -240,3 +239,61 @@ def test_a_sigkilled_worker_drops_out_of_worker_up_within_one_ttl(scene: Scene) 
         "celery_guard_worker_up", 0, timeout=LEASE_TTL + 8 * REAPER_INTERVAL + 3, worker=hostname
     )
     assert value(scene.scrape(), "celery_guard_workers_alive") == 1
+
+
+def scrape_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def series_by_task(text: str) -> tuple[dict[str, int], int]:
+    """Series per ``task`` label value, and the series without one."""
+    per_task: dict[str, int] = {}
+    other = 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            task = sample.labels.get("task")
+            if task is None:
+                other += 1
+            else:
+                per_task[task] = per_task.get(task, 0) + 1
+    return per_task, other
+
+
+#: The budget docs/monitoring.md states ("Cardinality").
+SERIES_PER_COMPLETED_TASK = 38
+SERIES_PER_WORKER = 100
+BYTES_PER_TASK = 4096
+BYTES_PER_WORKER = 16384
+
+
+def test_a_worker_with_200_task_names_stays_within_the_series_budget(scene: Scene) -> None:
+    """docs/monitoring.md, "Cardinality": per task name, only what happened to it."""
+    from tests.apps.many_tasks import many_task_names
+
+    names = many_task_names()
+    assert len(names) == 200
+    worker = WorkerProcess(
+        "tests.apps.many_tasks", env=scene.env, cwd=ROOT, concurrency=2, queues=scene.queue
+    )
+    scene.workers.append(worker)
+    worker.start()
+    # Registered but not run: no series at all (the shop's own tasks are registered too).
+    per_task, _ = series_by_task(scrape_text(scene.port))
+    assert per_task == {}
+
+    results = [scene.send(name, index) for index, name in enumerate(names)]
+    for index, result in enumerate(results):
+        assert result.get(timeout=120) == index
+    scene.wait_for("celery_guard_tasks_total", 200, outcome="completed")
+    started = time.monotonic()
+    text = scrape_text(scene.port)
+    seconds = time.monotonic() - started
+    per_task, per_worker = series_by_task(text)
+    assert sorted(per_task) == names
+    # Each: 1 outcome, 1 claim reason, queue lag and duration histograms of 18 series each.
+    assert set(per_task.values()) == {SERIES_PER_COMPLETED_TASK}
+    assert per_worker <= SERIES_PER_WORKER
+    assert len(text.encode()) <= BYTES_PER_TASK * len(names) + BYTES_PER_WORKER
+    # Measured here: 0.25 s on 2 loaded cores; Prometheus's default scrape_timeout is 10 s.
+    assert seconds < 5, f"a scrape took {seconds:.2f} s"

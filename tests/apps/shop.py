@@ -207,6 +207,21 @@ def reject_order(self: Any, tag: str) -> None:
     raise ValueError(f"order {tag} has no lines")
 
 
+@app.task(name="shop.buggy", bind=True, idempotency_key="buggy:{tag}")
+def buggy(self: Any, tag: str) -> None:
+    """A programming error (a name that does not exist): permanent, dead-lettered at once.
+
+    Each execution appends a line to ``<CG_MARKER_DIR>/<tag>.runs`` (outside the store's
+    transaction, which rolls back), so a test counts the executions.
+    """
+    with open(
+        os.path.join(os.environ.get("CG_MARKER_DIR", "/nonexistent"), f"{tag}.runs"), "a"
+    ) as runs:
+        runs.write(f"{self.guard.attempts}\n")
+    write_effect(self, tag)
+    return undefined_helper(tag)  # type: ignore[name-defined]  # noqa: F821 - the bug
+
+
 @app.task(name="shop.poison", bind=True, idempotency_key="poison:{tag}")
 def poison(self: Any, tag: str) -> None:
     """Kills its own process every time, as a segfault or the OOM killer would."""

@@ -13,6 +13,7 @@ from celery_guard import BY_ARGUMENTS, MAX_KEY_LENGTH, InvalidIdempotencyKey
 from celery_guard.errors import ConfigurationError, UnserializableArguments
 from celery_guard.keys import (
     bind_arguments,
+    call_error,
     check_key_option,
     key_from_option,
     payload_fingerprint,
@@ -102,6 +103,62 @@ def test_fingerprint_covers_dates_and_uuids_but_refuses_arbitrary_objects() -> N
 
 def test_arguments_that_do_not_fit_the_signature_are_fingerprinted_as_sent() -> None:
     assert bind_arguments(charge, (1, 2, 3, 4), {}) == {"args": [1, 2, 3, 4], "kwargs": {}}
+
+
+def plain_call_error(fun: object, *args: object, **kwargs: object) -> str:
+    """The message Python itself gives for this call (what plain Celery's worker raises)."""
+    with pytest.raises(TypeError) as raised:
+        fun(*args, **kwargs)  # type: ignore[operator]
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("option", ["charge:{order_id}", BY_ARGUMENTS])
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((7,), {}, "charge() missing 1 required positional argument: 'amount'"),
+        ((), {}, "charge() missing 2 required positional arguments: 'order_id' and 'amount'"),
+        ((7, 10, "EUR", 1), {}, "charge() takes from 2 to 3 positional arguments but 4 were given"),
+        ((7, 10), {"tip": 1}, "charge() got an unexpected keyword argument 'tip'"),
+        ((7, 10), {"order_id": 7}, "charge() got multiple values for argument 'order_id'"),
+    ],
+)
+def test_a_key_option_over_arguments_that_do_not_fit_raises_the_calls_type_error(
+    option: object, args: tuple[object, ...], kwargs: dict[str, object], message: str
+) -> None:
+    assert plain_call_error(charge, *args, **kwargs) == message
+    with pytest.raises(TypeError) as raised:
+        key(option, *args, **kwargs)
+    assert type(raised.value) is TypeError and str(raised.value) == message
+
+
+class ChargeTask:
+    def run(self, order_id: int) -> None: ...
+
+
+def test_a_bound_methods_type_error_does_not_count_self() -> None:
+    method = ChargeTask().run
+    message = "ChargeTask.run() missing 1 required positional argument: 'order_id'"
+    assert plain_call_error(method) == message
+    with pytest.raises(TypeError) as raised:
+        bind_arguments(method, (), {}, strict=True)
+    assert str(raised.value) == message
+    assert bind_arguments(method, (5,), {}, strict=True) == {"order_id": 5}
+
+
+def test_a_nested_functions_type_error_names_it_as_python_does() -> None:
+    def inner(order_id: int) -> None: ...
+
+    message = plain_call_error(inner)
+    assert message.startswith("test_a_nested_functions_type_error_names_it_as_python_does.")
+    error = call_error(inner, (), {})
+    assert error is not None and str(error) == message
+
+
+def test_call_error_is_none_for_arguments_that_fit() -> None:
+    assert call_error(charge, (7,), {"amount": 1}) is None
+    error = call_error(charge, (7,), {})
+    assert isinstance(error, TypeError) and "'amount'" in str(error)
 
 
 @pytest.mark.parametrize("bad", [5, "", "unclosed {brace", ["list"]])

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import random
+import re
 import statistics
+from pathlib import Path
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_guard import ConfigurationError, IdempotencyConflict, PermanentError, TransientError
-from celery_guard.policy import ErrorClass, ErrorPolicy, decide, full_jitter, import_classes
+from celery_guard.policy import (
+    DEFAULT_PERMANENT,
+    DEFAULT_TRANSIENT,
+    ErrorClass,
+    ErrorPolicy,
+    decide,
+    full_jitter,
+    import_classes,
+)
 
 TRANSIENT, PERMANENT = ErrorClass.TRANSIENT, ErrorClass.PERMANENT
 
@@ -57,6 +67,16 @@ class RateLimited(PaymentDeclined):
         (ClientError(500), TRANSIENT),
         (ClientError(422), PERMANENT),
         (RuntimeError("unknown"), TRANSIENT),
+        # Programming errors: a retry runs the same code again.
+        (NameError("name 'x' is not defined"), PERMANENT),
+        (UnboundLocalError("x"), PERMANENT),
+        (AttributeError("'NoneType' object has no attribute 'id'"), PERMANENT),
+        (ImportError("cannot import name 'y'"), PERMANENT),
+        (ModuleNotFoundError("No module named 'z'"), PERMANENT),
+        (SyntaxError("invalid syntax"), PERMANENT),
+        (IndentationError("unexpected indent"), PERMANENT),
+        (NotImplementedError(), PERMANENT),
+        (AssertionError("invariant"), PERMANENT),
     ],
 )
 def test_documented_defaults(exc: BaseException, expected: ErrorClass) -> None:
@@ -76,6 +96,36 @@ def test_declared_classes_beat_defaults_and_the_most_specific_wins() -> None:
     assert task.classify(PaymentDeclined()) is TRANSIENT
     both = ErrorPolicy().with_layer(transient=[ValueError], permanent=[PaymentDeclined])
     assert both.classify(RateLimited()) is PERMANENT, "nearer in the MRO wins"
+
+
+class StaleClientError(AttributeError):
+    """A library's error that a retry fixes, although it derives from a programming error."""
+
+
+@pytest.mark.parametrize("error", [NameError, AttributeError, ImportError, AssertionError])
+def test_a_programming_error_default_is_overridden_by_the_app_and_the_task(
+    error: type[Exception],
+) -> None:
+    assert ErrorPolicy().classify(error()) is PERMANENT
+    app = ErrorPolicy().with_layer(transient=[error])
+    assert app.classify(error()) is TRANSIENT, "the app's guard_transient_errors come first"
+    task = ErrorPolicy().with_layer(permanent=[ValueError]).with_layer(transient=[error])
+    assert task.classify(error()) is TRANSIENT, "a task's transient_errors come first"
+    back = app.with_layer(permanent=[error])
+    assert back.classify(error()) is PERMANENT, "and a task can take it back from the app"
+
+
+def test_a_subclass_listed_transient_beats_its_permanent_builtin_base() -> None:
+    policy = ErrorPolicy().with_layer(transient=[StaleClientError])
+    assert policy.classify(StaleClientError()) is TRANSIENT
+    assert policy.classify(AttributeError()) is PERMANENT
+
+
+def test_the_default_error_class_does_not_reach_the_builtins() -> None:
+    # guard_default_error_class only decides what nothing else recognises.
+    assert ErrorPolicy(default=TRANSIENT).classify(NameError()) is PERMANENT
+    assert ErrorPolicy(default=PERMANENT).classify(RuntimeError()) is PERMANENT
+    assert ErrorPolicy(default=TRANSIENT).classify(RuntimeError()) is TRANSIENT
 
 
 def test_full_jitter_stays_within_its_bound_and_is_capped() -> None:
@@ -115,3 +165,15 @@ def test_exception_classes_can_be_named_in_settings() -> None:
         import_classes("guard_transient_errors", ["nowhere.Nothing"])
     with pytest.raises(ConfigurationError, match="not an exception class"):
         import_classes("guard_transient_errors", [int])
+
+
+def test_the_docs_table_lists_every_built_in_default_with_its_class() -> None:
+    doc = Path(__file__).resolve().parents[2] / "docs" / "failure-policy.md"
+    section = doc.read_text().split("## The built-in defaults", 1)[1].split("\n## ", 1)[0]
+    documented: dict[str, str] = {}
+    for row in re.findall(r"^\| `([\w.]+)`[^|]*\| (transient|permanent) \|", section, re.M):
+        documented[row[0].rsplit(".", 1)[-1]] = row[1]
+    expected = {cls.__name__: "transient" for cls in DEFAULT_TRANSIENT} | {
+        cls.__name__: "permanent" for cls in DEFAULT_PERMANENT
+    }
+    assert documented == expected, "docs/failure-policy.md's table differs from policy.py"
