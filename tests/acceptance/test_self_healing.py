@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -19,6 +20,7 @@ from celery_guard.store.sql import SqlStore
 from tests.acceptance.conftest import (
     effects_in,
     new_store_database,
+    open_gates,
     start_workers,
     wait_owner,
     worker_running,
@@ -58,7 +60,10 @@ class Cluster:
 
 @pytest.fixture(params=["sql-leases", "redis-leases"])
 def cluster(
-    request: pytest.FixtureRequest, postgres: PostgresServer, redis_server: RedisServer
+    request: pytest.FixtureRequest,
+    postgres: PostgresServer,
+    redis_server: RedisServer,
+    tmp_path: Path,
 ) -> Iterator[Cluster]:
     """Each test runs twice: leases in the store's rows, and leases in Redis."""
     store_url = new_store_database(postgres, "heal")
@@ -69,6 +74,7 @@ def cluster(
         "CG_LEASE_TTL": str(LEASE_TTL),
         "CG_REAPER_INTERVAL": str(REAPER_INTERVAL),
         "CG_LEASE_URL": redis_server.url_for(11) if request.param == "redis-leases" else "",
+        "CG_MARKER_DIR": str(tmp_path),  # the gates of shop.gated
     }
     client = Celery("heal-client", broker=env["CG_BROKER_URL"], backend=env["CG_RESULT_URL"])
     store = SqlStore(GuardConfig(store_url=store_url))
@@ -243,24 +249,29 @@ def test_heartbeats_renew_the_lease_where_it_lives(cluster: Cluster) -> None:
     """SQL leases move the row's lease forward; Redis leases never write the row while running."""
     cluster.start(1)
     tag = uuid.uuid4().hex[:12]
-    key = f"long:{tag}"
-    result = cluster.send("shop.long_write", tag, 3 * LEASE_TTL)
-    wait_running(cluster, key)
-    claimed = cluster.store.get(key)
-    assert claimed is not None and claimed.lease_expires_at is not None
-    # Wait past the claim-time lease while the body still runs.
-    wait_until(
-        lambda: cluster.store.now() > (claimed.lease_expires_at or 0) + 0.5,
-        timeout=30,
-        what="the claim-time lease to pass",
-    )
-    running = cluster.store.get(key)
-    assert running is not None and running.state == "RUNNING"
-    assert running.fencing_token == claimed.fencing_token, "never taken over"
-    if cluster.lease_backend == "redis-leases":
-        assert running.updated_at == claimed.updated_at
-        assert running.lease_expires_at == claimed.lease_expires_at, "no heartbeat in SQL"
-    else:
-        assert (running.lease_expires_at or 0) > (claimed.lease_expires_at or 0)
+    key = f"gated:{tag}"
+    # The body is held at its gate until the test has seen its lease renewed: a fixed-length
+    # body could end first on a loaded machine.
+    result = cluster.send("shop.gated", tag)
+    try:
+        wait_running(cluster, key)
+        claimed = cluster.store.get(key)
+        assert claimed is not None and claimed.lease_expires_at is not None
+        # Wait past the claim-time lease while the body still runs.
+        wait_until(
+            lambda: cluster.store.now() > (claimed.lease_expires_at or 0) + 0.5,
+            timeout=30,
+            what="the claim-time lease to pass",
+        )
+        running = cluster.store.get(key)
+        assert running is not None and running.state == "RUNNING"
+        assert running.fencing_token == claimed.fencing_token, "never taken over"
+        if cluster.lease_backend == "redis-leases":
+            assert running.updated_at == claimed.updated_at
+            assert running.lease_expires_at == claimed.lease_expires_at, "no heartbeat in SQL"
+        else:
+            assert (running.lease_expires_at or 0) > (claimed.lease_expires_at or 0)
+    finally:
+        open_gates(cluster.env["CG_MARKER_DIR"], tag, 1)
     assert result.get(timeout=60)["fencing_token"] == claimed.fencing_token
     assert cluster.effects(tag) == 1
