@@ -149,16 +149,19 @@ def test_a_dead_workers_keys_are_taken_over_without_waiting_for_the_lease(
 def test_a_prefork_child_sigkilled_mid_task_runs_once(cluster: Cluster) -> None:
     (worker,) = cluster.start(1)
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, 3.0)
-    owner = wait_running(cluster, f"long:{tag}")
+    # Held at its gate, the body is still running when its child is killed, however loaded
+    # the machine; the owner that takes the key over (token 2) is let through.
+    result = cluster.send("shop.gated", tag)
+    owner = wait_running(cluster, f"gated:{tag}")
     child = int(owner.rsplit("/", 1)[1])
     assert child in worker.child_pids()
     worker.kill_child(child)
     wait_until(lambda: not pid_alive(child), 10, "the child to die")
+    open_gates(cluster.env["CG_MARKER_DIR"], tag, 2)
     value = result.get(timeout=60)
-    assert value["pid"] != child
+    assert value["pid"] != child and value["fencing_token"] == 2
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"long:{tag}")
+    record = cluster.store.get(f"gated:{tag}")
     assert record is not None and record.state == "COMPLETED" and record.attempts == 2
 
 
@@ -199,11 +202,19 @@ def test_a_body_hung_on_a_socket_loses_its_lease_after_the_hard_deadline(
 def test_a_warm_shutdown_mid_task_finishes_the_task_once(cluster: Cluster) -> None:
     (worker,) = cluster.start(1)
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, 3.0)
-    wait_running(cluster, f"long:{tag}")
-    exit_code = worker.stop(timeout=30)
-    assert exit_code == 0
-    assert "DRAINING" in worker.log_text()
+    key = f"gated:{tag}"
+    # The body is held at its gate until the worker is seen draining: it is mid-task when the
+    # shutdown begins, whatever the machine's load.
+    result = cluster.send("shop.gated", tag)
+    try:
+        wait_running(cluster, key)
+        worker.request_warm_shutdown()
+        wait_until(lambda: "DRAINING" in worker.log_text(), 30, "the worker to drain")
+        record = cluster.store.get(key)
+        assert record is not None and record.state == "RUNNING" and cluster.effects(tag) == 0
+    finally:
+        open_gates(cluster.env["CG_MARKER_DIR"], tag, 1)
+    assert worker.stop(timeout=30) == 0
     assert result.get(timeout=10)["fencing_token"] == 1
     assert cluster.effects(tag) == 1
 
