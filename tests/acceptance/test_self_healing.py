@@ -107,23 +107,27 @@ def worker_of(cluster: Cluster, owner: str) -> WorkerProcess:
 def test_a_whole_worker_sigkilled_mid_task_is_recovered_by_the_reaper(cluster: Cluster) -> None:
     cluster.start(2, CG_VISIBILITY_TIMEOUT="30")
     tag = uuid.uuid4().hex[:12]
-    seconds = 20.0
-    result = cluster.send("shop.long_write", tag, seconds)
-    victim = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    key = f"gated:{tag}"
+    # Held at its gate, the body is mid-task when its worker dies; the owner that takes the
+    # key over (token 2) is let through at once.
+    result = cluster.send("shop.gated", tag)
+    victim = worker_of(cluster, wait_running(cluster, key))
     victim.kill()
     killed_at = time.monotonic()
-    value = result.get(timeout=LEASE_TTL + REAPER_INTERVAL + 5 + seconds + 30)
+    open_gates(cluster.env["CG_MARKER_DIR"], tag, 2)
+    slack = 20.0  # a loaded host
+    value = result.get(timeout=LEASE_TTL + REAPER_INTERVAL + 5 + slack + 30)
     recovered_in = time.monotonic() - killed_at
-    assert recovered_in <= LEASE_TTL + REAPER_INTERVAL + 5 + seconds
+    assert recovered_in <= LEASE_TTL + REAPER_INTERVAL + 5 + slack
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"long:{tag}")
+    record = cluster.store.get(key)
     assert record is not None
     assert (record.state, record.claim_reason, record.fencing_token) == ("COMPLETED", "TAKEOVER", 2)
     assert value["fencing_token"] == 2
     # The killed worker's message comes back after the (test's short) visibility timeout; its
     # claim finds the key COMPLETED and runs nothing.
     wait_until(
-        lambda: (cluster.store.get(f"long:{tag}") or _never).duplicates >= 1,
+        lambda: (cluster.store.get(key) or _never).duplicates >= 1,
         timeout=90,
         what="the original message's redelivery",
     )
@@ -134,15 +138,16 @@ def test_a_dead_workers_keys_are_taken_over_without_waiting_for_the_lease(
     cluster: Cluster,
 ) -> None:
     """The liveness lock dies with the worker: recovery does not wait out a 60 s lease."""
-    lease_ttl, seconds = 60.0, 2.0
+    lease_ttl = 60.0
     cluster.start(2, CG_LEASE_TTL=str(lease_ttl))
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, seconds)
-    victim = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    result = cluster.send("shop.gated", tag)  # held at its gate: mid-task when killed
+    victim = worker_of(cluster, wait_running(cluster, f"gated:{tag}"))
     victim.kill()
     killed_at = time.monotonic()
+    open_gates(cluster.env["CG_MARKER_DIR"], tag, 2)
     assert result.get(timeout=60)["fencing_token"] == 2
-    assert time.monotonic() - killed_at < REAPER_INTERVAL + seconds + 8 < lease_ttl
+    assert time.monotonic() - killed_at < REAPER_INTERVAL + 10 < lease_ttl
     assert cluster.effects(tag) == 1
 
 
@@ -168,22 +173,28 @@ def test_a_prefork_child_sigkilled_mid_task_runs_once(cluster: Cluster) -> None:
 def test_a_frozen_worker_is_taken_over_and_its_late_commit_is_refused(cluster: Cluster) -> None:
     cluster.start(2)
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, 4.0)
-    zombie = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    key = f"gated:{tag}"
+    gates = cluster.env["CG_MARKER_DIR"]
+    # The first owner is held at its gate until it was frozen, taken over and thawed; then it
+    # tries to commit late. The owner that takes over (token 2) is let through.
+    result = cluster.send("shop.gated", tag)
+    zombie = worker_of(cluster, wait_running(cluster, key))
     zombie.freeze()
     try:
+        open_gates(gates, tag, 2)
         value = result.get(timeout=60)
         assert value["fencing_token"] == 2, "completed by the worker that took over"
         assert cluster.effects(tag) == 1
     finally:
         zombie.thaw()
+        open_gates(gates, tag, 1)
     wait_until(
         lambda: "completion refused (fenced)" in zombie.log_text(),
         timeout=30,
         what="the zombie's commit to be refused",
     )
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"long:{tag}")
+    record = cluster.store.get(key)
     assert record is not None and record.fencing_token == 2 and record.state == "COMPLETED"
 
 
@@ -223,15 +234,22 @@ def test_a_warm_shutdown_hands_back_what_outlives_the_drain_timeout(cluster: Clu
     """A body still running at the drain deadline is revoked and taken over at once."""
     (draining,) = cluster.start(1, CG_DRAIN_TIMEOUT="1")
     tag = uuid.uuid4().hex[:12]
-    key = f"long:{tag}"
-    result = cluster.send("shop.long_write", tag, 8.0)
-    wait_running(cluster, key)
-    draining.request_warm_shutdown()
-    wait_until(lambda: "revoked 1 running key" in draining.log_text(), 30, "the revocation")
-    cluster.start(1)
-    value = result.get(timeout=60)
-    assert value["fencing_token"] == 3, "revoked (2), then claimed by the other worker (3)"
-    assert cluster.effects(tag) == 1
+    key = f"gated:{tag}"
+    gates = cluster.env["CG_MARKER_DIR"]
+    # The first body is held at its gate past the drain timeout and the other worker's claim;
+    # then it tries to commit late. The other worker's owner (token 3) is let through.
+    result = cluster.send("shop.gated", tag)
+    try:
+        wait_running(cluster, key)
+        draining.request_warm_shutdown()
+        wait_until(lambda: "revoked 1 running key" in draining.log_text(), 30, "the revocation")
+        open_gates(gates, tag, 3)
+        cluster.start(1)
+        value = result.get(timeout=60)
+        assert value["fencing_token"] == 3, "revoked (2), then claimed by the other worker (3)"
+        assert cluster.effects(tag) == 1
+    finally:
+        open_gates(gates, tag, 1)
     assert draining.stop(timeout=30) == 0
     wait_until(
         lambda: "completion refused (fenced)" in draining.log_text(),
