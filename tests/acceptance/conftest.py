@@ -134,6 +134,16 @@ def wait_for_key_state(shop: ModuleType, key: str, state: str, timeout: float = 
     return found[-1]
 
 
+def open_gates(marker_dir: str | os.PathLike[str], tag: str, *tokens: int) -> None:
+    """Let the ``shop.gated`` executions of ``tag`` holding these fencing tokens finish.
+
+    A test that observes a body while it runs holds it at the gate until it has seen what it
+    waits for, rather than racing a fixed-length body on a loaded machine.
+    """
+    for token in tokens:
+        (Path(marker_dir) / f"{tag}.{token}").touch()
+
+
 def effects_in(store: SqlStore, tag: str) -> int:
     """How many effect rows the shop's tasks wrote for ``tag`` (one per completed body)."""
     with store.engine.connect() as connection:

@@ -31,6 +31,7 @@ from tests.acceptance.conftest import (
     SHOP_APP,
     effect_count,
     key_record,
+    open_gates,
     wait_for_key_state,
 )
 from tests.acceptance.test_failure_policy import drain_dead_letter_queue
@@ -138,11 +139,28 @@ def letters_for(task: str, keys: set[str]) -> list[dict[str, Any]]:
 
 @pytest.mark.workers
 def test_status_and_key_show_on_keys_workers_hold_and_completed(
-    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
+    shop: ModuleType, shop_env: dict[str, str], shop_workers: list[WorkerProcess], tag: str
 ) -> None:
     assert shop.record.delay(tag, 7).get(timeout=RESULT_TIMEOUT) == {"tag": tag, "value": 7}
-    running = shop.slow.delay(tag, 12)
-    wait_for_key_state(shop, f"slow:{tag}", "RUNNING")
+    # The body is held at its gate until the CLI has shown it running: each guard command is a
+    # subprocess that imports Celery, and on a busy machine a chain of them outlasts any fixed
+    # body length.
+    running = shop.gated.delay(tag)
+    key = f"gated:{tag}"
+    try:
+        held = wait_for_key_state(shop, key, "RUNNING")
+        check_status_and_key_show(shop, shop_workers, tag, key)
+    finally:
+        open_gates(shop_env["CG_MARKER_DIR"], tag, 1)  # a fresh key's first owner holds token 1
+    assert held.fencing_token == 1
+    assert running.get(timeout=RESULT_TIMEOUT)["tag"] == tag
+    assert key_record(shop, key) is not None and effect_count(shop, tag) == 2  # record, gated
+
+
+def check_status_and_key_show(
+    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str, key: str
+) -> None:
+    """What ``guard status`` and ``guard key show`` say while ``key``'s body is held."""
     store = celery_guard.get_runtime(shop.app).store
     wait_until(lambda: store.leader("reaper") is not None, 30, "a worker's reaper to be elected")
 
@@ -157,9 +175,9 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
     human = guard_ok("status")
     assert "RUNNING" in human and "oldest RUNNING" in human and "dead letters" in human
 
-    slow = guard_json("key", "show", f"slow:{tag}")
-    assert (slow["state"], slow["task"], slow["claim_reason"]) == ("RUNNING", "shop.slow", "NEW")
-    assert 0 < slow["lease_remaining_seconds"] <= 10 and slow["owner"]
+    held = guard_json("key", "show", key)
+    assert (held["state"], held["task"], held["claim_reason"]) == ("RUNNING", "shop.gated", "NEW")
+    assert 0 < held["lease_remaining_seconds"] <= 10 and held["owner"]
     done = guard_json("key", "show", f"record:{tag}")
     assert (done["state"], done["task"], done["attempts"], done["fencing_token"]) == (
         "COMPLETED",
@@ -177,7 +195,7 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
     # Workers beat into the store every reaper interval: wait for the one running the body.
     wait_until(
         lambda: "PROCESSING (1 running)" in guard_ok("status"),
-        20,
+        60,
         "a worker heartbeat to show the running body",
     )
     by_pid = {worker["pid"]: worker for worker in guard_json("status")["workers"]}
@@ -186,7 +204,6 @@ def test_status_and_key_show_on_keys_workers_hold_and_completed(
         assert by_pid[worker.pid]["state"] in {"READY", "PROCESSING"}
 
     assert "no idempotency key" in guard_fails("key", "show", f"record:{tag}-unknown")
-    assert running.get(timeout=RESULT_TIMEOUT) == tag
 
 
 @pytest.mark.workers

@@ -9,7 +9,7 @@ from celery import chain
 
 from celery_guard import IdempotencyConflict, InvalidIdempotencyKey, UnserializableArguments
 from celery_guard.keys import MAX_KEY_LENGTH
-from tests.acceptance.conftest import effect_count, key_record, wait_for_key_state
+from tests.acceptance.conftest import effect_count, key_record, open_gates, wait_for_key_state
 from tests.rig.procs import wait_until
 from tests.rig.workers import WorkerProcess
 
@@ -123,15 +123,24 @@ def test_a_body_that_writes_then_raises_leaves_nothing_and_its_retry_writes_once
 
 
 def test_an_in_flight_duplicate_is_deferred_and_answers_with_the_stored_result(
-    shop: ModuleType, shop_workers: list[WorkerProcess], tag: str
+    shop: ModuleType, shop_env: dict[str, str], shop_workers: list[WorkerProcess], tag: str
 ) -> None:
-    first = shop.slow.delay(tag, 1.5)
-    wait_for_key_state(shop, f"slow:{tag}", "RUNNING")
-    second = shop.slow.delay(tag, 1.5)
-    assert second.get(timeout=RESULT_TIMEOUT) == first.get(timeout=RESULT_TIMEOUT) == tag
+    # The first body is held at its gate until the second delivery was seen deferred (Celery
+    # state RETRY): with a fixed-length body a busy machine could deliver the second only after
+    # the first completed, and the test would pass without any delivery in flight.
+    first = shop.gated.delay(tag)
+    try:
+        wait_for_key_state(shop, f"gated:{tag}", "RUNNING")
+        second = shop.gated.delay(tag)
+        wait_until(lambda: second.state == "RETRY", 30, "the duplicate to be deferred")
+        assert effect_count(shop, tag) == 0
+    finally:
+        open_gates(shop_env["CG_MARKER_DIR"], tag, 1)
+    answer = first.get(timeout=RESULT_TIMEOUT)
+    assert answer["tag"] == tag and second.get(timeout=RESULT_TIMEOUT) == answer
     assert effect_count(shop, tag) == 1
-    record = key_record(shop, f"slow:{tag}")
-    assert record is not None and record.duplicates == 1
+    record = key_record(shop, f"gated:{tag}")
+    assert record is not None and (record.duplicates, record.attempts) == (1, 1)
 
 
 def test_task_retry_reuses_the_task_id_and_the_next_attempt_runs(

@@ -14,6 +14,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -25,6 +26,7 @@ from celery_guard.store.sql import SqlStore
 from tests.acceptance.conftest import (
     ROOT,
     new_store_database,
+    open_gates,
     start_workers,
     wait_owner,
 )
@@ -87,9 +89,10 @@ class Scene:
 
 
 @pytest.fixture
-def scene(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Scene]:
+def scene(postgres: PostgresServer, redis_server: RedisServer, tmp_path: Path) -> Iterator[Scene]:
     port = free_port()
     env = {
+        "CG_MARKER_DIR": str(tmp_path),  # the gates of shop.gated
         "CG_BROKER_URL": redis_server.url_for(7),
         "CG_RESULT_URL": redis_server.url_for(8),
         "CG_STORE_URL": new_store_database(postgres, "metrics"),
@@ -133,16 +136,22 @@ def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_c
     with pytest.raises(Exception, match="no lines"):
         dead.get(timeout=30)
 
-    # One takeover: the child running a long body is SIGKILLed; Celery requeues the message
-    # (acks_late, reject_on_worker_lost) and a replacement child takes the key over.
-    long_key = f"long:{tag}"
-    long_result = scene.send("shop.long_write", tag, 3.0)
-    child = int(wait_owner(scene.store, long_key).rsplit("/", 1)[1])
-    before_kill = scene.scrape()
-    assert value(before_kill, "celery_guard_executions_running") == 1
-    assert value(before_kill, "celery_guard_worker_state", state="PROCESSING") == 1
+    # One takeover: the child running a body is SIGKILLed; Celery requeues the message
+    # (acks_late, reject_on_worker_lost) and a replacement child takes the key over. The body
+    # is held at its gate until the scrapes saw it running and beating, so a loaded machine
+    # cannot let it finish first.
+    long_result = scene.send("shop.gated", tag)
+    child = int(wait_owner(scene.store, f"gated:{tag}").rsplit("/", 1)[1])
+    scene.wait_for("celery_guard_executions_running", 1)
+    scene.wait_for("celery_guard_worker_state", 1, state="PROCESSING")
+    wait_until(
+        lambda: value(scene.scrape(), "celery_guard_heartbeat_gap_seconds_count") >= 1,
+        30,
+        "a heartbeat of the held body",
+    )
     worker.kill_child(child)
     wait_until(lambda: not pid_alive(child), 10, "the child to die")
+    open_gates(scene.env["CG_MARKER_DIR"], tag, 2)  # the owner that takes the key over
     assert long_result.get(timeout=60)["pid"] != child
 
     samples = scene.scrape()
@@ -153,7 +162,7 @@ def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_c
         ("shop.flaky", "released"): 0,  # one outcome per delivery: the retry says it
         ("shop.flaky", "completed"): 1,
         ("shop.reject_order", "dead_lettered"): 1,
-        ("shop.long_write", "completed"): 1,
+        ("shop.gated", "completed"): 1,
     }
     for (task, outcome), expected in outcomes.items():
         got = value(samples, "celery_guard_tasks_total", task=task, outcome=outcome)
@@ -173,13 +182,13 @@ def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_c
     # The "new" acquisition of the long task was counted only by the child that was killed:
     # its counter file outlives it and stays in the sum.
     acquisitions = "celery_guard_lease_acquisitions_total"
-    assert value(samples, acquisitions, task="shop.long_write", reason="new") == 1
-    assert value(samples, acquisitions, task="shop.long_write", reason="takeover") == 1
+    assert value(samples, acquisitions, task="shop.gated", reason="new") == 1
+    assert value(samples, acquisitions, task="shop.gated", reason="takeover") == 1
     assert value(samples, acquisitions, task="shop.flaky", reason="retry") == 1
     # Completed executions have a duration; every claimed delivery had a queue lag.
     assert value(samples, "celery_guard_task_duration_seconds_count", outcome="completed") == 3
     assert value(samples, "celery_guard_queue_lag_seconds_count") == value(samples, acquisitions)
-    assert value(samples, "celery_guard_heartbeat_gap_seconds_count") >= 1  # the 3 s body
+    assert value(samples, "celery_guard_heartbeat_gap_seconds_count") >= 1  # the held body
     # The killed child's live gauges were dropped: nothing runs now.
     scene.wait_for("celery_guard_executions_running", 0)
     scene.wait_for("celery_guard_worker_state", 1, state="READY")
@@ -194,8 +203,10 @@ def test_a_backlog_shows_in_queue_depth_oldest_age_and_queue_lag(scene: Scene) -
     (worker,) = start_workers(1, scene.env, queues=scene.queue, concurrency=2)
     scene.workers.append(worker)
     tag = uuid.uuid4().hex[:10]
-    # Both children busy for 3 s; with prefetch 1 the rest wait in the broker's queue.
-    blockers = [scene.send("shop.slow", f"{tag}-b{i}", 3.0) for i in range(2)]
+    # Both children held at their gates until the scrapes saw the backlog; with prefetch 1 the
+    # rest wait in the broker's queue.
+    blocking = [f"{tag}-b{i}" for i in range(2)]
+    blockers = [scene.send("shop.gated", blocker) for blocker in blocking]
     waiting = [scene.send("shop.record", f"{tag}-w{i}") for i in range(4)]
 
     def backlog_seen() -> bool:
@@ -204,7 +215,11 @@ def test_a_backlog_shows_in_queue_depth_oldest_age_and_queue_lag(scene: Scene) -
         age = value(samples, "celery_guard_queue_oldest_age_seconds", queue=scene.queue)
         return depth >= 2 and age >= 1.0
 
-    wait_until(backlog_seen, 20, "the backlog to show in depth and oldest age")
+    try:
+        wait_until(backlog_seen, 30, "the backlog to show in depth and oldest age")
+    finally:
+        for blocker in blocking:
+            open_gates(scene.env["CG_MARKER_DIR"], blocker, 1)
     for result in blockers + waiting:
         result.get(timeout=60)
     samples = scene.scrape()
@@ -213,7 +228,7 @@ def test_a_backlog_shows_in_queue_depth_oldest_age_and_queue_lag(scene: Scene) -
         samples, "celery_guard_queue_lag_seconds_bucket", task="shop.record", le="1.0"
     )
     assert lag_count == 4
-    # At least the two that waited behind the 3 s bodies waited more than a second.
+    # At least the two that waited behind the held bodies waited more than a second.
     assert under_a_second <= 2
     scene.wait_for("celery_guard_queue_depth", 0, queue=scene.queue)
     # Drained, the queue's Redis list is gone: its depth reads 0 rather than vanishing.

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -23,6 +24,7 @@ from celery_guard.store.sql import SqlStore
 from tests.acceptance.conftest import (
     effects_in,
     new_store_database,
+    open_gates,
     start_workers,
     wait_owner,
     worker_running,
@@ -65,7 +67,7 @@ class AmqpCluster:
 
 @pytest.fixture
 def amqp(
-    rabbitmq: RabbitMQServer, postgres: PostgresServer, redis_server: RedisServer
+    rabbitmq: RabbitMQServer, postgres: PostgresServer, redis_server: RedisServer, tmp_path: Path
 ) -> Iterator[AmqpCluster]:
     store_url = new_store_database(postgres, "amqp")
     env = {
@@ -75,6 +77,7 @@ def amqp(
         "CG_LEASE_TTL": str(LEASE_TTL),
         "CG_REAPER_INTERVAL": str(REAPER_INTERVAL),
         "CG_DEAD_LETTER_QUEUE": f"dlq-{uuid.uuid4().hex[:8]}",
+        "CG_MARKER_DIR": str(tmp_path),  # the gates of shop.gated
     }
     client = Celery("amqp-client", broker=env["CG_BROKER_URL"], backend=env["CG_RESULT_URL"])
     store = SqlStore(GuardConfig(store_url=store_url))
@@ -93,19 +96,22 @@ def test_a_whole_worker_sigkilled_mid_task_runs_once(amqp: AmqpCluster) -> None:
     closed), unlike Redis, which keeps it for the visibility timeout. That copy finds the key
     in flight and is deferred until the reaper, seeing the owner's liveness lock gone, ends the
     lease (and re-publishes); then it takes over. Observed: recovered about 0.4 s after the
-    kill, plus the 3 s body.
+    kill.
     """
     amqp.start(2)
     tag = uuid.uuid4().hex[:12]
-    key = f"long:{tag}"
-    result = amqp.send("shop.long_write", tag, 3.0)
+    key = f"gated:{tag}"
+    # Held at its gate, the body is mid-task when its worker dies; the owner that takes the
+    # key over (token 2) is let through at once.
+    result = amqp.send("shop.gated", tag)
     victim = amqp.wait_running(key)
     victim.kill()
     killed_at = time.monotonic()
+    open_gates(amqp.env["CG_MARKER_DIR"], tag, 2)
     value = result.get(timeout=90)
     recovered_in = time.monotonic() - killed_at
     assert value["fencing_token"] == 2
-    assert recovered_in < 3.0 + LEASE_TTL + 30  # the body, the lease at worst, a loaded host
+    assert recovered_in < LEASE_TTL + 30  # the lease at worst, a loaded host
     record = amqp.store.get(key)
     assert record is not None
     assert (record.state, record.claim_reason, record.attempts) == ("COMPLETED", "TAKEOVER", 2)
@@ -121,16 +127,21 @@ def test_a_frozen_worker_is_taken_over_and_its_late_commit_refused(amqp: AmqpClu
     """
     amqp.start(2)
     tag = uuid.uuid4().hex[:12]
-    key = f"long:{tag}"
-    result = amqp.send("shop.long_write", tag, 4.0)
+    key = f"gated:{tag}"
+    gates = amqp.env["CG_MARKER_DIR"]
+    # The first owner is held at its gate until it was frozen, taken over and thawed; then it
+    # tries to commit late. The owner that takes over (token 2) is let through.
+    result = amqp.send("shop.gated", tag)
     zombie = amqp.wait_running(key)
     zombie.freeze()
     try:
+        open_gates(gates, tag, 2)
         value = result.get(timeout=90)
         assert value["fencing_token"] == 2, "completed by the worker that took over"
         assert amqp.effects(tag) == 1
     finally:
         zombie.thaw()
+        open_gates(gates, tag, 1)
     wait_until(
         lambda: "completion refused (fenced)" in zombie.log_text(),
         timeout=60,

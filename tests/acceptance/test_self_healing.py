@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -19,6 +20,7 @@ from celery_guard.store.sql import SqlStore
 from tests.acceptance.conftest import (
     effects_in,
     new_store_database,
+    open_gates,
     start_workers,
     wait_owner,
     worker_running,
@@ -58,7 +60,10 @@ class Cluster:
 
 @pytest.fixture(params=["sql-leases", "redis-leases"])
 def cluster(
-    request: pytest.FixtureRequest, postgres: PostgresServer, redis_server: RedisServer
+    request: pytest.FixtureRequest,
+    postgres: PostgresServer,
+    redis_server: RedisServer,
+    tmp_path: Path,
 ) -> Iterator[Cluster]:
     """Each test runs twice: leases in the store's rows, and leases in Redis."""
     store_url = new_store_database(postgres, "heal")
@@ -69,6 +74,7 @@ def cluster(
         "CG_LEASE_TTL": str(LEASE_TTL),
         "CG_REAPER_INTERVAL": str(REAPER_INTERVAL),
         "CG_LEASE_URL": redis_server.url_for(11) if request.param == "redis-leases" else "",
+        "CG_MARKER_DIR": str(tmp_path),  # the gates of shop.gated
     }
     client = Celery("heal-client", broker=env["CG_BROKER_URL"], backend=env["CG_RESULT_URL"])
     store = SqlStore(GuardConfig(store_url=store_url))
@@ -101,23 +107,27 @@ def worker_of(cluster: Cluster, owner: str) -> WorkerProcess:
 def test_a_whole_worker_sigkilled_mid_task_is_recovered_by_the_reaper(cluster: Cluster) -> None:
     cluster.start(2, CG_VISIBILITY_TIMEOUT="30")
     tag = uuid.uuid4().hex[:12]
-    seconds = 20.0
-    result = cluster.send("shop.long_write", tag, seconds)
-    victim = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    key = f"gated:{tag}"
+    # Held at its gate, the body is mid-task when its worker dies; the owner that takes the
+    # key over (token 2) is let through at once.
+    result = cluster.send("shop.gated", tag)
+    victim = worker_of(cluster, wait_running(cluster, key))
     victim.kill()
     killed_at = time.monotonic()
-    value = result.get(timeout=LEASE_TTL + REAPER_INTERVAL + 5 + seconds + 30)
+    open_gates(cluster.env["CG_MARKER_DIR"], tag, 2)
+    slack = 20.0  # a loaded host
+    value = result.get(timeout=LEASE_TTL + REAPER_INTERVAL + 5 + slack + 30)
     recovered_in = time.monotonic() - killed_at
-    assert recovered_in <= LEASE_TTL + REAPER_INTERVAL + 5 + seconds
+    assert recovered_in <= LEASE_TTL + REAPER_INTERVAL + 5 + slack
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"long:{tag}")
+    record = cluster.store.get(key)
     assert record is not None
     assert (record.state, record.claim_reason, record.fencing_token) == ("COMPLETED", "TAKEOVER", 2)
     assert value["fencing_token"] == 2
     # The killed worker's message comes back after the (test's short) visibility timeout; its
     # claim finds the key COMPLETED and runs nothing.
     wait_until(
-        lambda: (cluster.store.get(f"long:{tag}") or _never).duplicates >= 1,
+        lambda: (cluster.store.get(key) or _never).duplicates >= 1,
         timeout=90,
         what="the original message's redelivery",
     )
@@ -128,53 +138,63 @@ def test_a_dead_workers_keys_are_taken_over_without_waiting_for_the_lease(
     cluster: Cluster,
 ) -> None:
     """The liveness lock dies with the worker: recovery does not wait out a 60 s lease."""
-    lease_ttl, seconds = 60.0, 2.0
+    lease_ttl = 60.0
     cluster.start(2, CG_LEASE_TTL=str(lease_ttl))
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, seconds)
-    victim = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    result = cluster.send("shop.gated", tag)  # held at its gate: mid-task when killed
+    victim = worker_of(cluster, wait_running(cluster, f"gated:{tag}"))
     victim.kill()
     killed_at = time.monotonic()
+    open_gates(cluster.env["CG_MARKER_DIR"], tag, 2)
     assert result.get(timeout=60)["fencing_token"] == 2
-    assert time.monotonic() - killed_at < REAPER_INTERVAL + seconds + 8 < lease_ttl
+    assert time.monotonic() - killed_at < REAPER_INTERVAL + 10 < lease_ttl
     assert cluster.effects(tag) == 1
 
 
 def test_a_prefork_child_sigkilled_mid_task_runs_once(cluster: Cluster) -> None:
     (worker,) = cluster.start(1)
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, 3.0)
-    owner = wait_running(cluster, f"long:{tag}")
+    # Held at its gate, the body is still running when its child is killed, however loaded
+    # the machine; the owner that takes the key over (token 2) is let through.
+    result = cluster.send("shop.gated", tag)
+    owner = wait_running(cluster, f"gated:{tag}")
     child = int(owner.rsplit("/", 1)[1])
     assert child in worker.child_pids()
     worker.kill_child(child)
     wait_until(lambda: not pid_alive(child), 10, "the child to die")
+    open_gates(cluster.env["CG_MARKER_DIR"], tag, 2)
     value = result.get(timeout=60)
-    assert value["pid"] != child
+    assert value["pid"] != child and value["fencing_token"] == 2
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"long:{tag}")
+    record = cluster.store.get(f"gated:{tag}")
     assert record is not None and record.state == "COMPLETED" and record.attempts == 2
 
 
 def test_a_frozen_worker_is_taken_over_and_its_late_commit_is_refused(cluster: Cluster) -> None:
     cluster.start(2)
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, 4.0)
-    zombie = worker_of(cluster, wait_running(cluster, f"long:{tag}"))
+    key = f"gated:{tag}"
+    gates = cluster.env["CG_MARKER_DIR"]
+    # The first owner is held at its gate until it was frozen, taken over and thawed; then it
+    # tries to commit late. The owner that takes over (token 2) is let through.
+    result = cluster.send("shop.gated", tag)
+    zombie = worker_of(cluster, wait_running(cluster, key))
     zombie.freeze()
     try:
+        open_gates(gates, tag, 2)
         value = result.get(timeout=60)
         assert value["fencing_token"] == 2, "completed by the worker that took over"
         assert cluster.effects(tag) == 1
     finally:
         zombie.thaw()
+        open_gates(gates, tag, 1)
     wait_until(
         lambda: "completion refused (fenced)" in zombie.log_text(),
         timeout=30,
         what="the zombie's commit to be refused",
     )
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"long:{tag}")
+    record = cluster.store.get(key)
     assert record is not None and record.fencing_token == 2 and record.state == "COMPLETED"
 
 
@@ -193,11 +213,19 @@ def test_a_body_hung_on_a_socket_loses_its_lease_after_the_hard_deadline(
 def test_a_warm_shutdown_mid_task_finishes_the_task_once(cluster: Cluster) -> None:
     (worker,) = cluster.start(1)
     tag = uuid.uuid4().hex[:12]
-    result = cluster.send("shop.long_write", tag, 3.0)
-    wait_running(cluster, f"long:{tag}")
-    exit_code = worker.stop(timeout=30)
-    assert exit_code == 0
-    assert "DRAINING" in worker.log_text()
+    key = f"gated:{tag}"
+    # The body is held at its gate until the worker is seen draining: it is mid-task when the
+    # shutdown begins, whatever the machine's load.
+    result = cluster.send("shop.gated", tag)
+    try:
+        wait_running(cluster, key)
+        worker.request_warm_shutdown()
+        wait_until(lambda: "DRAINING" in worker.log_text(), 30, "the worker to drain")
+        record = cluster.store.get(key)
+        assert record is not None and record.state == "RUNNING" and cluster.effects(tag) == 0
+    finally:
+        open_gates(cluster.env["CG_MARKER_DIR"], tag, 1)
+    assert worker.stop(timeout=30) == 0
     assert result.get(timeout=10)["fencing_token"] == 1
     assert cluster.effects(tag) == 1
 
@@ -206,15 +234,22 @@ def test_a_warm_shutdown_hands_back_what_outlives_the_drain_timeout(cluster: Clu
     """A body still running at the drain deadline is revoked and taken over at once."""
     (draining,) = cluster.start(1, CG_DRAIN_TIMEOUT="1")
     tag = uuid.uuid4().hex[:12]
-    key = f"long:{tag}"
-    result = cluster.send("shop.long_write", tag, 8.0)
-    wait_running(cluster, key)
-    draining.request_warm_shutdown()
-    wait_until(lambda: "revoked 1 running key" in draining.log_text(), 30, "the revocation")
-    cluster.start(1)
-    value = result.get(timeout=60)
-    assert value["fencing_token"] == 3, "revoked (2), then claimed by the other worker (3)"
-    assert cluster.effects(tag) == 1
+    key = f"gated:{tag}"
+    gates = cluster.env["CG_MARKER_DIR"]
+    # The first body is held at its gate past the drain timeout and the other worker's claim;
+    # then it tries to commit late. The other worker's owner (token 3) is let through.
+    result = cluster.send("shop.gated", tag)
+    try:
+        wait_running(cluster, key)
+        draining.request_warm_shutdown()
+        wait_until(lambda: "revoked 1 running key" in draining.log_text(), 30, "the revocation")
+        open_gates(gates, tag, 3)
+        cluster.start(1)
+        value = result.get(timeout=60)
+        assert value["fencing_token"] == 3, "revoked (2), then claimed by the other worker (3)"
+        assert cluster.effects(tag) == 1
+    finally:
+        open_gates(gates, tag, 1)
     assert draining.stop(timeout=30) == 0
     wait_until(
         lambda: "completion refused (fenced)" in draining.log_text(),
@@ -243,24 +278,29 @@ def test_heartbeats_renew_the_lease_where_it_lives(cluster: Cluster) -> None:
     """SQL leases move the row's lease forward; Redis leases never write the row while running."""
     cluster.start(1)
     tag = uuid.uuid4().hex[:12]
-    key = f"long:{tag}"
-    result = cluster.send("shop.long_write", tag, 3 * LEASE_TTL)
-    wait_running(cluster, key)
-    claimed = cluster.store.get(key)
-    assert claimed is not None and claimed.lease_expires_at is not None
-    # Wait past the claim-time lease while the body still runs.
-    wait_until(
-        lambda: cluster.store.now() > (claimed.lease_expires_at or 0) + 0.5,
-        timeout=30,
-        what="the claim-time lease to pass",
-    )
-    running = cluster.store.get(key)
-    assert running is not None and running.state == "RUNNING"
-    assert running.fencing_token == claimed.fencing_token, "never taken over"
-    if cluster.lease_backend == "redis-leases":
-        assert running.updated_at == claimed.updated_at
-        assert running.lease_expires_at == claimed.lease_expires_at, "no heartbeat in SQL"
-    else:
-        assert (running.lease_expires_at or 0) > (claimed.lease_expires_at or 0)
+    key = f"gated:{tag}"
+    # The body is held at its gate until the test has seen its lease renewed: a fixed-length
+    # body could end first on a loaded machine.
+    result = cluster.send("shop.gated", tag)
+    try:
+        wait_running(cluster, key)
+        claimed = cluster.store.get(key)
+        assert claimed is not None and claimed.lease_expires_at is not None
+        # Wait past the claim-time lease while the body still runs.
+        wait_until(
+            lambda: cluster.store.now() > (claimed.lease_expires_at or 0) + 0.5,
+            timeout=30,
+            what="the claim-time lease to pass",
+        )
+        running = cluster.store.get(key)
+        assert running is not None and running.state == "RUNNING"
+        assert running.fencing_token == claimed.fencing_token, "never taken over"
+        if cluster.lease_backend == "redis-leases":
+            assert running.updated_at == claimed.updated_at
+            assert running.lease_expires_at == claimed.lease_expires_at, "no heartbeat in SQL"
+        else:
+            assert (running.lease_expires_at or 0) > (claimed.lease_expires_at or 0)
+    finally:
+        open_gates(cluster.env["CG_MARKER_DIR"], tag, 1)
     assert result.get(timeout=60)["fencing_token"] == claimed.fencing_token
     assert cluster.effects(tag) == 1
