@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from celery_guard.errors import Fenced, GuardError, TransactionMisuse
 from celery_guard.lease.heartbeat import Lease
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import KeyStore
 
 logger = logging.getLogger("celery_guard")
 
@@ -27,7 +27,7 @@ class Execution:
 
     def __init__(
         self,
-        store: SqlStore,
+        store: KeyStore,
         *,
         key: str | None,
         fencing_token: int | None,

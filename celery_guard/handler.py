@@ -32,9 +32,8 @@ from celery_guard.lease.backends import LeaseBackend
 from celery_guard.lease.heartbeat import Heartbeat, Lease
 from celery_guard.lease.liveness import ProcessLiveness
 from celery_guard.policy import Decision, ErrorClass, ErrorPolicy, decide
-from celery_guard.store.base import ClaimOutcome, ClaimRequest, DeadLetter
+from celery_guard.store.base import ClaimOutcome, ClaimRequest, DeadLetter, KeyStore
 from celery_guard.store.schema import KeyState
-from celery_guard.store.sql import SqlStore
 from celery_guard.worker_state import StateTracker
 
 logger = logging.getLogger("celery_guard")
@@ -132,7 +131,7 @@ class GuardHandler:
 
     def __init__(
         self,
-        store: SqlStore,
+        store: KeyStore,
         leases: LeaseBackend,
         heartbeat: Heartbeat,
         *,

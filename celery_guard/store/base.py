@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from sqlalchemy import Connection, RootTransaction
 
 
 class ClaimOutcome(str, enum.Enum):
@@ -156,3 +159,43 @@ class PublishRecord:
         for flag in ("claimed", "expired"):
             values[flag] = bool(values.get(flag))
         return cls(**values)
+
+
+class KeyStore(Protocol):
+    """What one delivery needs of the store: the handler's and ``self.guard``'s narrow view.
+
+    :class:`~celery_guard.store.SqlStore` provides it on PostgreSQL and SQLite; the handler's
+    unit tests run against an in-memory one built from the property tests' reference model.
+    """
+
+    def claim(self, request: ClaimRequest) -> ClaimResult:
+        """Insert or take over the key's row in one statement and say what happened."""
+
+    def complete(
+        self,
+        key: str,
+        token: int,
+        result: str,
+        retention: float | None,
+        connection: Connection | None = None,
+    ) -> None:
+        """Mark the key COMPLETED with ``result`` if ``token`` owns it, else raise ``Fenced``;
+        with ``connection``, inside that open transaction (the caller commits)."""
+
+    def release(self, key: str, token: int, error: str | None) -> bool:
+        """Give the key up after an execution that did not complete; False if not ours."""
+
+    def get(self, key: str) -> KeyRecord | None:
+        """The key's row, or ``None``."""
+
+    def dead_letter(self, token: int, letter: DeadLetter) -> DeadLetter:
+        """End ``token``'s ownership as DEAD and keep ``letter``, in one transaction."""
+
+    def connect(self, on_boundary: Callable[[str], None] | None = None) -> Connection:
+        """A new connection for a body's own transaction (see ``SqlStore.connect``)."""
+
+    def commit(self, transaction: RootTransaction) -> None:
+        """Commit a body's transaction; failures are ``StoreError``."""
+
+    def transaction_failed(self, connection: Connection) -> bool:
+        """True when a failed statement left the open transaction able only to roll back."""
