@@ -1,7 +1,8 @@
 """The claim → run → complete state machine of one delivery, free of Celery.
 
 :class:`GuardedTask` turns a message into a :class:`Delivery` and acts on what this module
-answers; the store does the SQL. Nothing here knows about brokers, so it is tested directly.
+answers; the store does the SQL. Nothing here knows about brokers: tests/unit/test_handler.py
+runs every branch against an in-memory store built from the property tests' reference model.
 """
 
 from __future__ import annotations
