@@ -117,16 +117,26 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
     tag = uuid.uuid4().hex[:8]
     first = [f"{tag}-first-{i}" for i in range(12)]
     # Prefetched at once and held in the worker until their countdown: they come due while
-    # the circuit is open, so they must be held and then given back, not run.
+    # the circuit is open, so they must be held and then given back, not run. The countdown
+    # only has to outlast the circuit's opening (a few seconds: three failed store calls), and
+    # is long because a busy machine stretches that; the test asserts it did come due after.
     later = [f"{tag}-later-{i}" for i in range(2)]
+    countdown = 20.0
     second = [f"{tag}-second-{i}" for i in range(10)]
     third = [f"{tag}-third-{i}" for i in range(10)]
     worker: WorkerProcess | None = None
     try:
         (worker,) = start_workers(1, env)  # prefork, concurrency 2
         log = worker.log_text
-        for name in later:
-            client.send_task("shop.record", args=(name,), countdown=8)
+        later_sent = time.monotonic()
+        later_ids = [
+            client.send_task("shop.record", args=(name,), countdown=countdown).id for name in later
+        ]
+        wait_until(
+            lambda: all(f"[{task_id}]" in log() for task_id in later_ids),
+            timeout=30,
+            what="the worker to hold the countdown tasks",
+        )
         for name in first:
             client.send_task("shop.slow", args=(name, 0.2))
         wait_until(
@@ -142,6 +152,9 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
         # The circuit opens: logged with its cause, and the worker consumes from no queue.
         wait_until(lambda: "-> OPEN" in log(), timeout=20, what="the circuit to open")
         opened_after = time.monotonic() - stopped_at
+        assert time.monotonic() - later_sent < countdown, (
+            "the circuit opened after the countdown tasks came due: lengthen the countdown"
+        )
         assert "store calls failed" in log()
         wait_until(lambda: consumed_queues(client) == [], timeout=10, what="consumption to stop")
         # The metrics say so too: circuit open, the worker takes no new work.
@@ -157,7 +170,7 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
         # The prefetched deliveries that came due while open were held, then given back.
         wait_until(
             lambda: log().count("given back to the broker unacknowledged") >= len(later),
-            timeout=20,
+            timeout=countdown + 20,
             what="the held deliveries to be given back",
         )
         # No retry storm: while open, nothing is re-published, consumed or lost.

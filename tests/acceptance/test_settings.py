@@ -45,7 +45,16 @@ class Scene:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         worker = WorkerProcess(
             APP,
-            env={"CG_BROKER_URL": self.broker_url, "PYTHONPATH": path, **env},
+            # Empty values hide what other tests' session fixtures put in os.environ (the
+            # shop's CG_STORE_URL): the worker inherits the test process's environment.
+            env={
+                "CG_BROKER_URL": self.broker_url,
+                "PYTHONPATH": path,
+                "CG_STORE_URL": "",
+                "CG_EXTRA_SETTINGS": "",
+                "CG_INSTALL_FIRST": "",
+                **env,
+            },
             cwd=self.cwd,
             queues=self.queue,
         )
