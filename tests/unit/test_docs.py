@@ -1,5 +1,7 @@
-"""The documentation agrees with the code.
+"""The documentation points at things that exist and agrees with the code.
 
+- Every relative link in README.md and docs/ resolves to a file of this repository, and an
+  ``#anchor`` to a heading of that file (GitHub's slugs).
 - docs/configuration.md's settings table and ``GuardConfig`` agree both ways, and no page names a
   ``guard_*`` key that is neither a setting nor one of celery_guard's message headers.
 """
@@ -20,6 +22,66 @@ from celery_guard.sampling import PUBLISHED_AT_HEADER
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+
+_FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The text outside code blocks and code spans, where a link is a link."""
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text stays
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, repeated headings numbered as GitHub does."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in _HEADING.findall(_FENCE.sub("", path.read_text())):
+        slug = github_slug(heading)
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found
+
+
+def test_github_slugs_are_computed_as_github_does() -> None:
+    assert github_slug("Publish tracking (opt-in): messages lost before any claim") == (
+        "publish-tracking-opt-in-messages-lost-before-any-claim"
+    )
+    assert github_slug("Soak (bench/soak.py)") == "soak-benchsoakpy"
+    assert github_slug("Publish tracking (bench/publish_tracking.py)") == (
+        "publish-tracking-benchpublish_trackingpy"
+    )
+    assert github_slug("The `celery guard` commands") == "the-celery-guard-commands"
+    assert github_slug("What it guarantees, and what it does not") == (
+        "what-it-guarantees-and-what-it-does-not"
+    )
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for target in _LINK.findall(_prose(page.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+            continue
+        path_part, _, anchor = target.partition("#")
+        resolved = (page.parent / path_part).resolve() if path_part else page
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif not resolved.is_relative_to(ROOT):
+            broken.append(f"{target}: outside the repository")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading #{anchor} in {resolved.relative_to(ROOT)}")
+    assert broken == [], f"{page.relative_to(ROOT)} has broken links"
 
 
 def test_the_configuration_table_and_guard_config_agree_both_ways() -> None:
