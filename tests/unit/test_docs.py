@@ -4,6 +4,7 @@
   ``#anchor`` to a heading of that file (GitHub's slugs).
 - docs/configuration.md's settings table and ``GuardConfig`` agree both ways, and no page names a
   ``guard_*`` key that is neither a setting nor one of celery_guard's message headers.
+- No comment, docstring or test cites a document that is not in this repository.
 """
 
 from __future__ import annotations
@@ -103,3 +104,31 @@ def test_every_guard_key_a_page_names_exists(page: Path) -> None:
     # ``guard_circuit_*`` names a family of settings, not one.
     named = {name for name in re.findall(r"\bguard_\w+", text) if not name.endswith("_")}
     assert named - known == set(), f"{page.relative_to(ROOT)} names guard_* keys that do not exist"
+
+
+# Pointers to documents that are not in this repository: the old design notes by name, their
+# source material by number, and bare issue numbers with no tracker. Built from pieces so this
+# file does not match itself.
+_NOWHERE = re.compile(
+    "|".join(
+        (
+            r"(?<!docs/)\bdesign" + r"\.md",  # docs/design.md is this repository's
+            r"\bseeds? +0\d\d\b",
+            r"(?<![\w/-])issue +#\d+",  # owner/repo#N or a URL names the tracker
+        )
+    ),
+    re.IGNORECASE,
+)
+_SOURCES = ("celery_guard", "tests", "bench", "example_project", "scripts")
+
+
+def test_no_comment_or_test_points_to_a_document_outside_the_repository() -> None:
+    found = []
+    for top in _SOURCES:
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.suffix not in {".py", ".yml", ".yaml", ".sh", ".lua", ".sql", ".json"}:
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if _NOWHERE.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == [], "cite a file of this repository or a public source instead"
