@@ -431,7 +431,7 @@ def render(
     )
     out += [
         "",
-        "Targets from the issue: celery_guard's own statements per guarded task "
+        "The project's targets: celery_guard's own statements per guarded task "
         f"{own:g} (target at most 2: {'met' if own <= 2 else 'NOT met'}); guarded/plain "
         f"throughput on the insert task {ratio['guarded_insert']:.2f} (target at least 0.8: "
         f"{'met' if ratio['guarded_insert'] >= 0.8 else 'NOT met'}).",

@@ -946,7 +946,7 @@ def render(
             )
         out += [
             "",
-            "Target from the issue: GuardedTask with the default TTL restarts the work within "
+            "The project's target: GuardedTask with the default TTL restarts the work within "
             f"15 s of the kill ({'met' if met else 'NOT met'}): " + "; ".join(cells) + ".",
         ]
 

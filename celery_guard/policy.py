@@ -28,7 +28,7 @@ from celery_guard.errors import (
 
 
 class ErrorClass(str, enum.Enum):
-    """What kind of failure an exception is (design.md, step 4)."""
+    """What kind of failure an exception is (docs/failure-policy.md)."""
 
     #: Worth trying again later: timeouts, connection errors, 5xx, 429.
     TRANSIENT = "transient"

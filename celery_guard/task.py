@@ -107,7 +107,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     """
 
     #: A killed worker's message must come back: acknowledge only after the body ran, and
-    #: requeue when the child process dies (design.md, "Self-healing").
+    #: requeue when the child process dies (docs/design.md#the-celery-seams).
     acks_late = True
     reject_on_worker_lost = True
     #: A copy of a dead-lettered key (and a poison pill stopped at claim) fails with

@@ -215,7 +215,7 @@ class WorkerMonitor:
         running, fenced = counts
         lifecycle = self.runtime.states.lifecycle
         if lifecycle is None and self.runtime.circuit.state is CircuitState.OPEN:
-            lifecycle = WorkerState.DRAINING  # design.md: no new work while the store fails
+            lifecycle = WorkerState.DRAINING  # store failing: no new work (docs/backpressure.md)
         return combine_state(lifecycle, running, fenced).value, running, fenced
 
     def beat(self) -> None:

@@ -1,4 +1,4 @@
-"""Worker states (design.md, "Self-healing"): READY, PROCESSING, DRAINING, FENCED, STOPPED.
+"""Worker states (docs/concepts.md#self-healing): READY, PROCESSING, DRAINING, FENCED, STOPPED.
 
 Each process keeps its own: a prefork child is PROCESSING while a guarded body runs in it and
 FENCED while one of its bodies has lost its lease; the main process goes READY, DRAINING on warm

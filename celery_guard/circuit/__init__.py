@@ -1,4 +1,4 @@
-"""Backpressure (issue #5, seed 004): a store circuit breaker per worker, adaptive concurrency.
+"""Backpressure (docs/backpressure.md): a store circuit breaker per worker, adaptive concurrency.
 
 ``runtime.circuit`` (a :class:`Circuit`) is the seam the rest of celery_guard uses:
 

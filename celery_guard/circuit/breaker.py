@@ -211,7 +211,7 @@ class Resize:
 
 
 class ConcurrencyGovernor:
-    """Adaptive concurrency (seed 004): fewer processes while store calls time out.
+    """Adaptive concurrency (docs/backpressure.md): fewer processes while store calls time out.
 
     At most once per ``window`` seconds, and only while the circuit is CLOSED (an open circuit
     already stopped the work): when at least ``min_calls`` calls were made in the window and

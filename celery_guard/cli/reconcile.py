@@ -1,4 +1,4 @@
-"""``guard reconcile``: seed 004's pass after an incident, report and ``--apply``."""
+"""``guard reconcile``: the pass after an incident (docs/operations.md), report and ``--apply``."""
 
 from __future__ import annotations
 

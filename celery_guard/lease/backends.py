@@ -3,7 +3,7 @@
 The SQL store always decides completion (its row holds the highest fencing token). The lease
 may live beside it, in the same row (the default), or in Redis (``guard_lease_url``) so that
 heartbeats write nothing to the database: ``SET NX PX`` to acquire, token-checked renew and
-release in Lua, ``INCR`` for the fencing counter (seed 001).
+release in Lua, ``INCR`` for the fencing counter (docs/design.md#where-state-lives).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class RedisLeases:
         statuses = statuses or {}
         try:
             # One round trip for every lease this process holds; the live status rides along
-            # (seed 002: what runs now, readable without touching the database).
+            # (for ``guard status``: what runs now, readable without touching the database).
             pipeline = client.pipeline(transaction=False)
             for key, handle in pairs:
                 self._scripts["renew"](
@@ -234,7 +234,7 @@ class RedisLeases:
         """What runs now, from the status entries renewals write (at most ``limit``).
 
         For operators only (``guard status``): an entry lives as long as its lease, and is
-        never used to decide anything; the store decides (seed 004: cache is not truth).
+        never used to decide anything; the store decides (docs/design.md#where-state-lives).
         """
         entries: list[dict[str, Any]] = []
         try:

@@ -2,7 +2,7 @@
 
 Each worker process that runs guarded bodies holds a session-level advisory lock on a
 connection of its own. When the process dies (SIGKILL, the OOM killer), the kernel closes that
-socket, PostgreSQL ends the session and the lock disappears at once (seed 001). The reaper takes
+socket, PostgreSQL ends the session and its locks go at once (docs/design.md). The reaper takes
 over the keys of owners whose lock is gone without waiting out their lease; fencing keeps that
 safe if the owner was in fact alive (its liveness connection had dropped). A frozen or
 partitioned process keeps its session, so it still waits out the TTL.

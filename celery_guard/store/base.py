@@ -11,7 +11,7 @@ from sqlalchemy import Connection, RootTransaction
 
 
 class ClaimOutcome(str, enum.Enum):
-    """The four answers a claim can get, as design.md's step 1 lists them."""
+    """The answers a claim can get (docs/design.md#the-claim-one-statement-one-round-trip)."""
 
     #: This execution owns the key now (a first run, a retry, or a takeover of an expired lease).
     CLAIMED = "claimed"

@@ -1,4 +1,4 @@
-"""Backpressure (issue #5): a worker whose store fails stops consuming instead of storming it,
+"""docs/backpressure.md: a worker whose store fails stops consuming instead of storming it,
 gives prefetched deliveries back unacknowledged, resumes when the store answers, and shrinks its
 pool while store calls time out.
 

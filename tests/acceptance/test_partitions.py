@@ -1,4 +1,4 @@
-"""Partial failures (seed 004): a worker alive but cut off, slow or flapping; servers restarted.
+"""Partial failures: a worker alive but cut off, slow or flapping; servers restarted.
 
 Real workers, a Redis broker and PostgreSQL; the worker under test reaches its server through
 :class:`tests.rig.faultproxy.FaultProxy`, the others connect directly. Each test has its own
@@ -235,7 +235,7 @@ def test_an_ack_lost_with_the_broker_redelivers_and_nothing_runs_twice(
     assert worker.is_alive()
 
 
-#: How long the store connection flaps (the issue says a minute; 24 s keeps the suite short and
+#: How long the store connection flaps (outages flap for minutes; 24 s keeps the suite short and
 #: still spans six down phases).
 FLAP_SECONDS = 24.0
 

@@ -182,7 +182,7 @@ def gated(self: Any, tag: str, limit: float = 120.0) -> dict[str, Any]:
 
 @app.task(name="shop.hang_first_attempt", bind=True, idempotency_key="hang:{tag}")
 def hang_first_attempt(self: Any, tag: str) -> int:
-    """The first execution blocks forever on a socket read with no timeout (seed 001)."""
+    """The first execution blocks forever on a socket read with no timeout (hard deadline's case)"""
     if self.guard.attempts == 1:
         reader, _writer = socket.socketpair()
         reader.recv(1)  # nothing is ever written: blocks until the process dies

@@ -2,7 +2,7 @@
 
 libfaketime 0.9.10 (Debian 12) with ``DONT_FAKE_MONOTONIC=1`` mangles the absolute deadline of
 ``clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME)``, which ``time.sleep`` uses since Python
-3.11: it raises EINVAL (libfaketime issue #426). Waits with a timeout (locks, events,
+3.11: it raises EINVAL (wolfcw/libfaketime#426 on GitHub). Waits with a timeout (locks, events,
 conditions, select) are unaffected, so ``time.sleep`` is rebuilt on ``select``, whose timeout
 is relative. The wall clock stays faked; the monotonic clock stays real.
 """
