@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import redis
 
 from celery_guard.errors import StoreUnavailable
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import LeaseRows
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class SqlLeases:
 
     in_store = True
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: LeaseRows) -> None:
         self.store = store
 
     def acquire(self, key: str, ttl: float) -> Acquisition:
