@@ -338,7 +338,7 @@ class Soak:
             left = dict(victims)
             deadline = started + self.args.recovery_cap
             while left and time.monotonic() < deadline:
-                records = self.store.get_many(list(left))
+                records = self.store.keys.get_many(list(left))
                 for key, token in list(left.items()):
                     record = records.get(key)
                     if record is None:

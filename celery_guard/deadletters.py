@@ -14,8 +14,7 @@ from kombu.entity import Exchange, Queue
 from celery_guard import serialization
 from celery_guard.errors import StoreError
 from celery_guard.republish import republish
-from celery_guard.store.base import DeadLetter
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import DeadLetter, DeadLetterStore
 
 logger = logging.getLogger("celery_guard.deadletters")
 
@@ -29,7 +28,7 @@ def dead_letter_queue(name: str) -> Queue:
 class DeadLetterSink:
     """Writes dead letters to the store, then publishes them to the broker's queue."""
 
-    def __init__(self, app: Any, store: SqlStore, queue_name: str) -> None:
+    def __init__(self, app: Any, store: DeadLetterStore, queue_name: str) -> None:
         self.app = app
         self.store = store
         self.queue = dead_letter_queue(queue_name)

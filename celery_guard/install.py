@@ -87,16 +87,16 @@ class GuardRuntime:
             config = GuardConfig.from_celery_conf(app.conf, app.namespace)
         store = SqlStore(config)
         leases: LeaseBackend = (
-            SqlLeases(store)
+            SqlLeases(store.keys)
             if config.lease_url is None
             else RedisLeases(config.lease_url, timeout=config.store_timeout)
         )
         heartbeat = Heartbeat(
             leases, interval=config.renew_interval, observer=metrics.LeaseMetrics()
         )
-        dead_letters = DeadLetterSink(app, store, config.dead_letter_queue)
+        dead_letters = DeadLetterSink(app, store.dead_letters, config.dead_letter_queue)
         handler = GuardHandler(
-            store,
+            store.keys,
             leases,
             heartbeat,
             lease_ttl=config.lease_ttl,
@@ -106,14 +106,14 @@ class GuardRuntime:
             control_flow=(Retry, Ignore, Reject),
             states=self.states,
             liveness=(
-                ProcessLiveness(store, recheck_after=config.lease_ttl)
+                ProcessLiveness(store.db, recheck_after=config.lease_ttl)
                 if config.liveness_locks
                 else None
             ),
             max_payload_bytes=config.max_payload_bytes,
         )
         tracker = (
-            PublishTracker(app, store, max_payload_bytes=config.max_payload_bytes)
+            PublishTracker(app, store.publishes, max_payload_bytes=config.max_payload_bytes)
             if config.track_publishes
             else None
         )

@@ -36,8 +36,7 @@ from celery_guard import serialization
 from celery_guard.errors import StoreError
 from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE, KeySource, canonical_json, resolve_key
 from celery_guard.sampling import PUBLISHED_AT_HEADER, redis_oldest_stamps
-from celery_guard.store.base import PublishRecord
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import PublishLog, PublishRecord, PublishRecovery
 
 logger = logging.getLogger("celery_guard.outbox")
 
@@ -113,7 +112,7 @@ def preset_stamp() -> float | None:
 class PublishTracker:
     """One app's publish tracking: a record per guarded publish, in the app's store."""
 
-    def __init__(self, app: Any, store: SqlStore, *, max_payload_bytes: int | None) -> None:
+    def __init__(self, app: Any, store: PublishLog, *, max_payload_bytes: int | None) -> None:
         self.app = app
         self.store = store
         self.max_payload_bytes = max_payload_bytes
@@ -234,7 +233,7 @@ def publish_entry(
     properties: dict[str, Any],
     max_payload_bytes: int | None,
 ) -> dict[str, Any] | None:
-    """The record of one publish (``SqlStore.track_publish``'s arguments), or ``None`` when it
+    """The record of one publish (``Publishes.track_publish``'s arguments), or ``None`` when it
     is not tracked: a message the reaper could not send again, or whose key no worker can use.
 
     Sets the key headers when the task option gave the key (``send_task`` by name), so the
@@ -461,7 +460,7 @@ class OutboxReport:
 class UnclaimedRepublisher:
     """The reaper holder's part: forget claimed publishes, re-publish the unclaimed ones."""
 
-    def __init__(self, app: Any, store: SqlStore, *, after: float) -> None:
+    def __init__(self, app: Any, store: PublishRecovery, *, after: float) -> None:
         self.app = app
         self.store = store
         self.after = after

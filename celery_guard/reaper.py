@@ -22,8 +22,7 @@ from celery_guard.errors import StoreError
 from celery_guard.lease.backends import LeaseBackend
 from celery_guard.outbox import OutboxReport, UnclaimedRepublisher
 from celery_guard.republish import republish
-from celery_guard.store.base import KeyRecord
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import KeyRecord, RecoveryStore
 
 logger = logging.getLogger("celery_guard.reaper")
 
@@ -56,7 +55,7 @@ class Reaper:
     def __init__(
         self,
         app: Any,
-        store: SqlStore,
+        store: RecoveryStore,
         leases: LeaseBackend,
         *,
         interval: float,

@@ -16,8 +16,7 @@ from typing import Any
 import amqp.exceptions
 
 from celery_guard.errors import StoreError
-from celery_guard.store.base import WorkerRecord
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import SampleSource, WorkerRecord
 
 logger = logging.getLogger("celery_guard.sampling")
 
@@ -42,7 +41,7 @@ class Sample:
 class Sampler:
     """Reads the store and the broker; called by the reaper's holder once per pass."""
 
-    def __init__(self, app: Any, store: SqlStore, queues: list[str]) -> None:
+    def __init__(self, app: Any, store: SampleSource, queues: list[str]) -> None:
         self.app = app
         self.store = store
         self.queues = queues
@@ -55,13 +54,13 @@ class Sampler:
         now = time.time()
         sample = Sample(taken_at=now)
         try:
-            sample.keys_by_state = self.store.count_keys_by_state()
-            sample.expired_leases = self.store.count_expired_leases()
-            oldest = self.store.oldest_running()
+            sample.keys_by_state = self.store.keys.count_keys_by_state()
+            sample.expired_leases = self.store.keys.count_expired_leases()
+            oldest = self.store.keys.oldest_running()
             if oldest is not None:
                 sample.oldest_running_seconds = max(0.0, self.store.now() - oldest.updated_at)
-            sample.dead_letters_pending = self.store.count_dead_letters()[1]
-            sample.workers = self.store.list_workers()
+            sample.dead_letters_pending = self.store.dead_letters.count_dead_letters()[1]
+            sample.workers = self.store.workers.list_workers()
         except StoreError as exc:
             logger.warning("celery_guard sampling: store did not answer: %s", exc)
         try:

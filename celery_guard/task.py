@@ -235,7 +235,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         runtime = get_runtime(self.app)
         request = self.request
         if request.called_directly:
-            return self._call_directly(runtime.store, args, kwargs)
+            return self._call_directly(runtime.store.keys, args, kwargs)
         try:
             delivery = self._delivery(request, args, kwargs, runtime.config)
         except (InvalidIdempotencyKey, TypeError) as exc:

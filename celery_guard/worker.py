@@ -62,7 +62,7 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         # worker does not compete for the reaper's lease.
         self.reaper = Reaper(
             parent.app,
-            runtime.store,
+            runtime.store.recovery,
             runtime.leases,
             interval=config.reaper_interval,
             lease_ttl=config.lease_ttl,
@@ -73,7 +73,7 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
             on_report=monitor.record_report,
             outbox=(
                 UnclaimedRepublisher(
-                    parent.app, runtime.store, after=config.unclaimed_republish_after
+                    parent.app, runtime.store.publishes, after=config.unclaimed_republish_after
                 )
                 if config.track_publishes
                 else None
@@ -175,11 +175,13 @@ def drain(runtime: Any, hostname: str) -> list[str]:
     owner_prefix = f"{hostname}/"
     deadline = time.monotonic() + runtime.config.drain_timeout
     try:
-        while runtime.store.count_running_owned(owner_prefix) and time.monotonic() < deadline:
+        while (
+            runtime.store.recovery.count_running_owned(owner_prefix) and time.monotonic() < deadline
+        ):
             time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-        if not runtime.store.count_running_owned(owner_prefix):
+        if not runtime.store.recovery.count_running_owned(owner_prefix):
             return []
-        revoked = runtime.store.revoke_owned(owner_prefix)
+        revoked = runtime.store.recovery.revoke_owned(owner_prefix)
         for key, old_token in revoked:
             if not runtime.leases.in_store:
                 runtime.leases.release(key, old_token)
@@ -222,7 +224,7 @@ class WorkerMonitor:
         """Record this worker as alive for one lease TTL (every reaper interval)."""
         state, running, fenced = self.state()
         try:
-            self.runtime.store.beat_worker(
+            self.runtime.store.workers.beat_worker(
                 self.hostname,
                 pid=self.pid,
                 state=state,
@@ -272,6 +274,6 @@ class WorkerMonitor:
         """Clean shutdown: drop this worker's heartbeat row (a killed worker's just expires)."""
         self.sampler.close()
         try:
-            self.runtime.store.remove_worker(self.hostname, self.pid)
+            self.runtime.store.workers.remove_worker(self.hostname, self.pid)
         except StoreError as exc:
             logger.info("celery_guard could not remove the worker heartbeat: %s", exc)

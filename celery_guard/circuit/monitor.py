@@ -33,7 +33,7 @@ from celery_guard.circuit.breaker import (
 )
 from celery_guard.errors import StoreError
 from celery_guard.lease.backends import LeaseBackend, RedisLeases
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import StoreClock
 
 logger = logging.getLogger("celery_guard.circuit")
 
@@ -198,7 +198,7 @@ class CircuitMonitor:
     def __init__(
         self,
         circuit: Circuit,
-        store: SqlStore,
+        store: StoreClock,
         leases: LeaseBackend,
         control: ConsumerControl | None,
         *,

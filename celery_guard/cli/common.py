@@ -285,7 +285,7 @@ def _running_pages(runtime: GuardRuntime, *, expired_only: bool) -> Iterator[lis
     after: str | None = None
     seen = 0
     while seen < MAX_KEYS:
-        page = runtime.store.running_keys(
+        page = runtime.store.keys.running_keys(
             expired_only=expired_only, after=after, limit=min(PAGE, MAX_KEYS - seen)
         )
         if not page:
@@ -298,7 +298,7 @@ def _running_pages(runtime: GuardRuntime, *, expired_only: bool) -> Iterator[lis
 
 
 def _reaper_info(runtime: GuardRuntime, now: float) -> dict[str, Any] | None:
-    leader = runtime.store.leader(LEADER_NAME)
+    leader = runtime.store.recovery.leader(LEADER_NAME)
     if leader is None:
         return None
     holder, term, expires_at = leader

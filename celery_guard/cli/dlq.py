@@ -78,7 +78,9 @@ def dlq_list(
     """List dead letters, newest first."""
     runtime = _runtime(ctx)
     since_at = since.resolve(runtime.store.now()) if since is not None else None
-    letters = runtime.store.list_dead_letters(task_name=task_name, since=since_at, limit=limit)
+    letters = runtime.store.dead_letters.list_dead_letters(
+        task_name=task_name, since=since_at, limit=limit
+    )
     if as_json:
         _emit_json([_letter_row(letter, full=False) for letter in letters])
         return
@@ -112,7 +114,7 @@ def dlq_list(
 def dlq_show(ctx: click.Context, letter_id: int, as_json: bool) -> None:
     """Show one dead letter in full: error, reason, traceback and the stored message."""
     runtime = _runtime(ctx)
-    letter = runtime.store.get_dead_letter(letter_id)
+    letter = runtime.store.dead_letters.get_dead_letter(letter_id)
     if letter is None:
         raise click.ClickException(f"unknown dead letter id {letter_id}")
     data = _letter_row(letter, full=True)
@@ -215,7 +217,7 @@ def _replay_all(runtime: GuardRuntime, task_name: str, as_json: bool) -> None:
     # Take the ids first: a replay that fails again adds new letters, never replayed here.
     ids: list[int] = []
     while len(ids) < MAX_LETTERS:
-        page = runtime.store.pending_dead_letter_ids(
+        page = runtime.store.dead_letters.pending_dead_letter_ids(
             task_name, after_id=ids[-1] if ids else 0, limit=PAGE
         )
         ids.extend(page)
@@ -265,7 +267,7 @@ def dlq_purge(ctx: click.Context, before: When | None, yes: bool, as_json: bool)
         )
     runtime = _runtime(ctx)
     cutoff = before.resolve(runtime.store.now()) if before is not None else None
-    ids = runtime.store.purge_dead_letters(before=cutoff)
+    ids = runtime.store.dead_letters.purge_dead_letters(before=cutoff)
     queue_name = runtime.dead_letters.queue.name
     try:
         from_queue = remove_queue_letters(runtime, queue_name, set(ids))

@@ -43,7 +43,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     runtime = _runtime(ctx)
     store = runtime.store
     now = store.now()
-    counts = store.count_keys_by_state()
+    counts = store.keys.count_keys_by_state()
     states = {state: counts.get(state, 0) for state in STATES}
     states.update({state: n for state, n in counts.items() if state not in states})
     redis_leases = isinstance(runtime.leases, RedisLeases)
@@ -53,8 +53,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
             held = runtime.leases.held([record.key for record in page])
             without_lease += sum(1 for record in page if record.key not in held)
     else:
-        without_lease = store.count_expired_leases()
-    oldest = store.oldest_running()
+        without_lease = store.keys.count_expired_leases()
+    oldest = store.keys.oldest_running()
     oldest_info: dict[str, Any] | None = None
     if oldest is not None:
         remaining = _lease_remaining(runtime, oldest, now)
@@ -67,10 +67,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
             "age_seconds": _secs(now - oldest.updated_at),
             "lease_remaining_seconds": _secs(remaining),
         }
-    total, pending = store.count_dead_letters()
+    total, pending = store.dead_letters.count_dead_letters()
     unclaimed: dict[str, Any] | None = None
     if runtime.config.track_publishes:
-        count, oldest_age = store.unclaimed_publishes()
+        count, oldest_age = store.publishes.unclaimed_publishes()
         unclaimed = {"count": count, "oldest_age_seconds": _secs(oldest_age)}
     report: dict[str, Any] = {
         "store": runtime.config.safe_store_url(),
@@ -98,7 +98,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
                 "seconds_since_seen": _secs(now - worker.seen_at),
                 "up_since": _iso(worker.started_at),
             }
-            for worker in store.list_workers()
+            for worker in store.workers.list_workers()
         ],
     }
     if as_json:
@@ -243,7 +243,7 @@ def key_revive(ctx: click.Context, key: str, as_json: bool) -> None:
     For a key whose dead letter was purged; `dlq replay` does this and re-publishes the task.
     """
     runtime = _runtime(ctx)
-    if not runtime.store.revive_key(key):
+    if not runtime.store.dead_letters.revive_key(key):
         raise click.ClickException(f"key {key!r} is not DEAD (or does not exist); nothing done")
     if as_json:
         _emit_json({"key": key, "state": "RELEASED"})
@@ -258,7 +258,7 @@ def key_revive(ctx: click.Context, key: str, as_json: bool) -> None:
 def key_show(ctx: click.Context, key: str, as_json: bool) -> None:
     """Show one idempotency key's row: state, owner, lease, token, times and stored message."""
     runtime = _runtime(ctx)
-    record = runtime.store.get(key)
+    record = runtime.store.keys.get(key)
     if record is None:
         raise click.ClickException(f"no idempotency key {key!r} in the store")
     now = runtime.store.now()
@@ -334,7 +334,7 @@ def prune(ctx: click.Context, as_json: bool) -> None:
     pruned = 0
     complete = False
     for _ in range(MAX_PRUNE_BATCHES):
-        batch = runtime.store.prune_completed(limit=PAGE)
+        batch = runtime.store.recovery.prune_completed(limit=PAGE)
         pruned += batch
         if batch < PAGE:
             complete = True

@@ -120,10 +120,10 @@ def _keys_without_lease(runtime: GuardRuntime, now: float) -> Section:
     # (in its row, or in Redis until the Redis lease runs out).
     dead = [
         (key, token)
-        for key, token, live in store.dead_owner_keys(limit=PAGE)
+        for key, token, live in store.recovery.dead_owner_keys(limit=PAGE)
         if key not in seen and (live or not leases.in_store)
     ]
-    rows = store.get_many([key for key, _ in dead])
+    rows = store.keys.get_many([key for key, _ in dead])
     for key, token in dead:
         row = rows.get(key)
         if row is not None and row.fencing_token == token:
@@ -140,7 +140,7 @@ def _apply_keys(runtime: GuardRuntime, section: Section) -> None:
         if item["why"] == "owner process is dead" and not runtime.leases.in_store:
             # As the reaper does: drop the dead owner's Redis lease too (token-checked).
             dropped = runtime.leases.release(item["key"], item["fencing_token"])
-        ended = runtime.store.expire_lease(item["key"], item["fencing_token"]) or dropped
+        ended = runtime.store.recovery.expire_lease(item["key"], item["fencing_token"]) or dropped
         item["result"] = (
             "lease ended: the reaper re-publishes its message at its next pass"
             if ended
@@ -180,7 +180,7 @@ def _orphan_leases(runtime: GuardRuntime) -> Section:
             pipeline.pttl(name)
         answers = pipeline.execute()
         keyed = {name: _lease_name_to_key(leases, name) or "" for name in batch}
-        rows = runtime.store.get_many(list(keyed.values()))
+        rows = runtime.store.keys.get_many(list(keyed.values()))
         for index, name in enumerate(batch):
             value, pttl = answers[2 * index], int(answers[2 * index + 1])
             if value is None:  # expired since the scan
@@ -209,7 +209,7 @@ def _apply_leases(runtime: GuardRuntime, section: Section) -> None:
         return
     # A second look at the rows: a claim that took its lease just before the scan has written
     # its RUNNING row by now and keeps its lease.
-    rows = runtime.store.get_many([item["key"] for item in section.items])
+    rows = runtime.store.keys.get_many([item["key"] for item in section.items])
     for item in section.items:
         record = rows.get(item["key"])
         if record is not None and record.state == KeyState.RUNNING.value:
@@ -356,7 +356,7 @@ def _queue_comparison(runtime: GuardRuntime) -> Section:
             extra={"queue": queue_name},
         )
     read = _read_queue(runtime, queue_name)
-    index = runtime.store.dead_letter_index(limit=MAX_LETTERS)
+    index = runtime.store.dead_letters.dead_letter_index(limit=MAX_LETTERS)
     in_table = {letter_id: (key, task, created) for letter_id, key, task, created in index}
     # With more letters than we read, an older queue letter may be in the table unread.
     floor = min(in_table) if len(index) >= MAX_LETTERS else 0
@@ -415,14 +415,16 @@ def _apply_queue(runtime: GuardRuntime, section: Section) -> None:
     for item in section.items:
         try:
             if item["where"] == "table_only":
-                letter = runtime.store.get_dead_letter(item["id"])
+                letter = runtime.store.dead_letters.get_dead_letter(item["id"])
                 if letter is None:
                     item["result"] = "gone: purged meanwhile"
                     continue
                 runtime.dead_letters.publish(letter)
                 item["result"] = "published"
             else:
-                stored = runtime.store.insert_dead_letter(_letter_from_queue(item["letter"]))
+                stored = runtime.store.dead_letters.insert_dead_letter(
+                    _letter_from_queue(item["letter"])
+                )
                 item["result"] = (
                     "inserted" if stored is not None else "kept out: its id is taken meanwhile"
                 )

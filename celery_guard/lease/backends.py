@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import redis
 
 from celery_guard.errors import StoreUnavailable
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.base import LeaseRows
+from celery_guard.store.queries import texts
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class SqlLeases:
 
     in_store = True
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: LeaseRows) -> None:
         self.store = store
 
     def acquire(self, key: str, ttl: float) -> Acquisition:
@@ -94,32 +95,8 @@ class SqlLeases:
         return set()
 
 
-_ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, tonumber(redis.call('GET', KEYS[1])) or 0, redis.call('PTTL', KEYS[1])}
-end
-local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
-return {1, token, tonumber(ARGV[1])}
-"""
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  if ARGV[3] ~= '' then
-    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
-  end
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[2])
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
+#: The Lua scripts of :class:`RedisLeases` by name (``scripts.lua``), read once at import.
+SCRIPTS = texts("celery_guard.lease", "scripts.lua")
 
 
 class RedisLeases:
@@ -160,12 +137,8 @@ class RedisLeases:
                 )
                 self._client_pid = pid
                 self._scripts = {
-                    name: self._client.register_script(source)
-                    for name, source in (
-                        ("acquire", _ACQUIRE),
-                        ("renew", _RENEW),
-                        ("release", _RELEASE),
-                    )
+                    name: self._client.register_script(SCRIPTS[name])
+                    for name in ("acquire", "renew", "release")
                 }
             return self._client
 

@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 
-from celery_guard.store.sql import SqlStore
+from celery_guard.store.engine import StoreEngine
 
 logger = logging.getLogger("celery_guard.lease")
 
@@ -38,7 +38,7 @@ def owner_lock_id(owner: str) -> int:
 class ProcessLiveness:
     """This process's liveness lock; ``lock_id()`` is what a claim records as ``owner_lock``."""
 
-    def __init__(self, store: SqlStore, *, recheck_after: float) -> None:
+    def __init__(self, store: StoreEngine, *, recheck_after: float) -> None:
         self.store = store
         self.recheck_after = recheck_after
         self._lock = threading.Lock()

@@ -1,9 +1,16 @@
-"""What the store hands back: plain frozen records, no SQLAlchemy rows escape the store module."""
+"""What the store hands back (plain frozen records: no SQLAlchemy rows escape the store), and
+the narrow protocol each consumer of the store is typed against.
+
+:class:`~celery_guard.store.SqlStore` is made of one part per table (``store.keys``,
+``store.dead_letters``, ``store.recovery``, ``store.publishes``, ``store.workers``); the wiring
+(``celery_guard/install.py``) hands each consumer the part it needs, and the consumer sees it
+through one of the protocols below, not as the whole store.
+"""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -164,8 +171,9 @@ class PublishRecord:
 class KeyStore(Protocol):
     """What one delivery needs of the store: the handler's and ``self.guard``'s narrow view.
 
-    :class:`~celery_guard.store.SqlStore` provides it on PostgreSQL and SQLite; the handler's
-    unit tests run against an in-memory one built from the property tests' reference model.
+    ``SqlStore.keys`` (:class:`~celery_guard.store.keys.Keys`) provides it on PostgreSQL and
+    SQLite; the handler's unit tests run against an in-memory one built from the property
+    tests' reference model.
     """
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
@@ -192,10 +200,165 @@ class KeyStore(Protocol):
         """End ``token``'s ownership as DEAD and keep ``letter``, in one transaction."""
 
     def connect(self, on_boundary: Callable[[str], None] | None = None) -> Connection:
-        """A new connection for a body's own transaction (see ``SqlStore.connect``)."""
+        """A new connection for a body's own transaction (see ``Keys.connect``)."""
 
     def commit(self, transaction: RootTransaction) -> None:
         """Commit a body's transaction; failures are ``StoreError``."""
 
     def transaction_failed(self, connection: Connection) -> bool:
         """True when a failed statement left the open transaction able only to roll back."""
+
+
+class LeaseRows(Protocol):
+    """What leases kept in the key rows need (``SqlLeases``): the heartbeat's renewal."""
+
+    def renew_leases(self, leases: Iterable[tuple[str, int]], ttl: float) -> set[str]:
+        """Extend the leases still held by their tokens, in one statement; return those keys."""
+
+
+class DeadLetterStore(Protocol):
+    """What the dead-letter sink (``DeadLetterSink``) needs: keep, read, replay a letter."""
+
+    def dead_letter(self, token: int, letter: DeadLetter) -> DeadLetter:
+        """End ``token``'s ownership as DEAD and keep ``letter``, in one transaction."""
+
+    def add_dead_letter(self, letter: DeadLetter) -> DeadLetter:
+        """Keep a letter no key row owns (a delivery that could not even be claimed)."""
+
+    def get_dead_letter(self, letter_id: int) -> DeadLetter | None:
+        """One dead letter by id, or ``None``."""
+
+    def revive(self, letter_id: int) -> DeadLetter | None:
+        """Mark the letter replayed and its key claimable; ``None`` when replayed already."""
+
+    def unrevive(self, letter_id: int) -> None:
+        """Undo :meth:`revive` after its message could not be published."""
+
+
+class RecoveryStore(Protocol):
+    """What the reaper (``Reaper``) needs: leadership, orphans, dead owners, pruning."""
+
+    def acquire_leadership(self, name: str, holder: str, ttl: float) -> bool:
+        """Take or keep the named lease for ``holder``; True while ``holder`` has it."""
+
+    def resign_leadership(self, name: str, holder: str) -> None:
+        """Give the named lease up at once, if ``holder`` has it."""
+
+    def now(self) -> float:
+        """The database's clock, in epoch seconds."""
+
+    def orphans(self, republish_after: float, limit: int) -> list[KeyRecord]:
+        """RUNNING keys whose lease expired, not re-published in the last ``republish_after`` s."""
+
+    def mark_republished(self, key: str, token: int, republish_after: float) -> bool:
+        """Record a re-publish; False when someone claimed or re-published the key meanwhile."""
+
+    def dead_owner_keys(self, limit: int) -> list[tuple[str, int, bool]]:
+        """(key, token, lease still running) of RUNNING keys whose owner's lock is gone."""
+
+    def expire_lease(self, key: str, token: int) -> bool:
+        """End a running lease now (its owner is dead)."""
+
+    def prune_completed(self, limit: int, keep_tracked: bool = False) -> int:
+        """Delete up to ``limit`` COMPLETED keys whose retention ended; return how many."""
+
+
+class PublishLog(Protocol):
+    """What the producer's publish tracking (``PublishTracker``) needs."""
+
+    def track_publish(
+        self,
+        *,
+        key: str,
+        task_name: str,
+        task_id: str,
+        message: str,
+        publisher_stamp: float | None,
+        countdown: float,
+        expires_in: float | None,
+    ) -> bool:
+        """Record a publish before its message is sent; False when the key has a record."""
+
+    def forget_publish(self, key: str, task_id: str) -> bool:
+        """Delete the record of one publish."""
+
+
+class PublishRecovery(Protocol):
+    """What the reaper's re-publisher of unclaimed publishes (``UnclaimedRepublisher``) needs."""
+
+    def forget_publish(self, key: str, task_id: str) -> bool:
+        """Delete the record of one publish."""
+
+    def forget_claimed_publishes(self, after_key: str, limit: int) -> tuple[int, str | None]:
+        """Delete claimed or expired records in one bounded window; (deleted, where to go on)."""
+
+    def due_publishes(self, after: float, limit: int) -> list[PublishRecord]:
+        """Records whose delay is over, oldest first, flagged ``claimed`` / ``expired``."""
+
+    def forget_done_publishes(self, record_keys: list[str]) -> int:
+        """Delete those of ``record_keys``' records that are claimed or expired."""
+
+    def postpone_publishes(self, record_keys: list[str]) -> int:
+        """Restart the delay of records whose message still waits in its queue."""
+
+    def mark_publish_republished(
+        self, key: str, task_id: str, publisher_stamp: float, after: float
+    ) -> bool:
+        """Take the right to re-publish a record now; False when another took it or it was
+        claimed."""
+
+    def unmark_publish_republished(self, before: PublishRecord) -> None:
+        """Undo :meth:`mark_publish_republished` after the broker refused the copy."""
+
+
+class StoreClock(Protocol):
+    """The store's cheapest question, its clock: the circuit monitor's probe."""
+
+    def now(self) -> float:
+        """The database's clock, in epoch seconds."""
+
+
+class KeyCounts(Protocol):
+    """The key counts the sampler reads."""
+
+    def count_keys_by_state(self) -> dict[str, int]:
+        """How many keys are in each state."""
+
+    def count_expired_leases(self) -> int:
+        """RUNNING keys whose row lease has expired."""
+
+    def oldest_running(self) -> KeyRecord | None:
+        """The RUNNING key claimed longest ago, or ``None``."""
+
+
+class DeadLetterCounts(Protocol):
+    """The dead-letter counts the sampler reads."""
+
+    def count_dead_letters(self) -> tuple[int, int]:
+        """(all dead letters, those not replayed yet)."""
+
+
+class WorkerList(Protocol):
+    """The worker heartbeats the sampler reads."""
+
+    def list_workers(self, seen_within: float = 3600.0) -> list[WorkerRecord]:
+        """Workers seen in the last ``seen_within`` seconds, alive or not."""
+
+
+class SampleSource(Protocol):
+    """What the sampler (``Sampler``) reads, part by part (``SqlStore`` provides it)."""
+
+    @property
+    def keys(self) -> KeyCounts:
+        """The keys table's counts."""
+
+    @property
+    def dead_letters(self) -> DeadLetterCounts:
+        """The dead-letter table's counts."""
+
+    @property
+    def workers(self) -> WorkerList:
+        """The workers' heartbeats."""
+
+    def now(self) -> float:
+        """The database's clock, in epoch seconds."""

@@ -124,6 +124,10 @@ leaders = Table(
     Column("expires_at", Double, nullable=False),
 )
 
+#: The ``celery_guard_leaders`` row whose ``term`` is the highest fencing token of any pruned
+#: key row: a key's new row starts above it, so tokens rise across a prune too.
+TOKEN_FLOOR = "celery_guard.token_floor"
+
 
 #: One row per running worker, written by its main process every reaper interval: who is alive
 #: (by heartbeat, not by broker events) and in which state, for ``guard status`` and metrics.
@@ -171,6 +175,16 @@ published = Table(
 )
 
 
+#: The database's clock in epoch seconds, as SQL text per dialect: what :class:`db_epoch_now`
+#: compiles to, and what the hand-written claim (``queries/keys.sql``) is given as ``{now}``.
+EPOCH_NOW_SQL = {
+    # clock_timestamp(), not now(): now() is frozen at transaction start, and a long user
+    # transaction must not complete against a stale clock.
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+
+
 class db_epoch_now(FunctionElement[float]):  # reads like the SQL function it is
     """The database's current time in epoch seconds (fractional), evaluated per statement."""
 
@@ -181,14 +195,12 @@ class db_epoch_now(FunctionElement[float]):  # reads like the SQL function it is
 
 @compiles(db_epoch_now, "postgresql")
 def _pg_epoch_now(element: db_epoch_now, compiler: Any, **kw: Any) -> str:
-    # clock_timestamp(), not now(): now() is frozen at transaction start, and a long user
-    # transaction must not complete against a stale clock.
-    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
+    return EPOCH_NOW_SQL["postgresql"]
 
 
 @compiles(db_epoch_now, "sqlite")
 def _sqlite_epoch_now(element: db_epoch_now, compiler: Any, **kw: Any) -> str:
-    return "((julianday('now') - 2440587.5) * 86400.0)"
+    return EPOCH_NOW_SQL["sqlite"]
 
 
 @compiles(db_epoch_now)

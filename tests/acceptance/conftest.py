@@ -117,7 +117,7 @@ def effect_count(shop: ModuleType, tag: str) -> int:
 
 
 def key_record(shop: ModuleType, key: str) -> KeyRecord | None:
-    return celery_guard.get_runtime(shop.app).store.get(key)
+    return celery_guard.get_runtime(shop.app).store.keys.get(key)
 
 
 def wait_for_key_state(shop: ModuleType, key: str, state: str, timeout: float = 30) -> KeyRecord:
@@ -161,7 +161,7 @@ def wait_owner(store: SqlStore, key: str, timeout: float = 30) -> str:
     owners: list[str] = []
 
     def running() -> bool:
-        record = store.get(key)
+        record = store.keys.get(key)
         if record is not None and record.state == "RUNNING" and record.owner:
             owners.append(record.owner)
             return True

@@ -68,7 +68,7 @@ class Scene:
         return effects_in(self.store, tag)
 
     def letters(self, task_name: str) -> list[DeadLetter]:
-        return self.store.list_dead_letters(task_name=task_name, limit=100)
+        return self.store.dead_letters.list_dead_letters(task_name=task_name, limit=100)
 
     def wait_for_letter(self, task_id: str, task_name: str) -> DeadLetter:
         found: list[DeadLetter] = []
@@ -295,7 +295,7 @@ def test_arguments_that_do_not_fit_from_a_foreign_producer_are_dead_lettered(
         extra.get(timeout=RESULT_TIMEOUT)
     letter = scene.wait_for_letter(extra.id, "shop.record_by_id")
     assert (letter.error_class, letter.error_type, letter.attempts) == ("permanent", "TypeError", 1)
-    record = scene.store.get(extra.id)
+    record = scene.store.keys.get(extra.id)
     assert record is not None and (record.state, record.attempts) == ("DEAD", 1)
     assert letter.message is not None and json.loads(letter.message)["args"] == [tag, "surplus"]
     assert scene.effects(tag) == 0
@@ -311,7 +311,7 @@ def test_an_oversized_result_is_dead_lettered_and_replays_once_the_bound_is_rais
     with pytest.raises(ResultTooLarge, match=r"more than guard_max_payload_bytes \(4096\)"):
         result.get(timeout=RESULT_TIMEOUT)
     assert scene.effects(tag) == 0, "nothing was committed"
-    record = scene.store.get(f"big:{tag}")
+    record = scene.store.keys.get(f"big:{tag}")
     assert record is not None and record.state == "DEAD"
     letter = scene.wait_for_letter(result.id, "shop.big_result")
     assert letter.error_class == "permanent" and letter.message is not None
@@ -319,7 +319,7 @@ def test_an_oversized_result_is_dead_lettered_and_replays_once_the_bound_is_rais
     # A big message (not result) is run, but not stored with its claim.
     padded = uuid.uuid4().hex[:12]
     assert scene.send("shop.big_result", padded, 3, "p" * 10_000).get(RESULT_TIMEOUT) == "xxx"
-    record = scene.store.get(f"big:{padded}")
+    record = scene.store.keys.get(f"big:{padded}")
     assert record is not None and record.state == "COMPLETED" and record.message is None
     assert "does not store the" in small.log_text()
 
@@ -341,4 +341,4 @@ def test_replaying_an_unknown_dead_letter_fails_in_one_line_and_changes_nothing(
     completed = run_guard("dlq", "replay", "987654321", env=scene.env)
     assert completed.returncode == 1 and completed.stdout == ""
     assert completed.stderr.strip() == "Error: unknown dead letter id 987654321"
-    assert scene.store.list_dead_letters() == []
+    assert scene.store.dead_letters.list_dead_letters() == []

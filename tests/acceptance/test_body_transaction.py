@@ -42,7 +42,9 @@ def test_ending_the_guards_transaction_is_refused_and_nothing_commits(
     assert record.attempts == 1, "a programming error is not retried"
     assert effect_count(shop, tag) == 0
     store = celery_guard.get_runtime(shop.app).store
-    (letter,) = [d for d in store.list_dead_letters(limit=1000) if d.key == f"habit:{tag}"]
+    (letter,) = [
+        d for d in store.dead_letters.list_dead_letters(limit=1000) if d.key == f"habit:{tag}"
+    ]
     assert (letter.error_type, letter.error_class, letter.attempts) == (
         "TransactionMisuse",
         "permanent",
@@ -76,6 +78,8 @@ def test_an_error_while_completing_fails_the_key_with_the_real_error(
     assert record.attempts == 2
     assert effect_count(shop, tag) == 0
     store = celery_guard.get_runtime(shop.app).store
-    (letter,) = [d for d in store.list_dead_letters(limit=1000) if d.key == f"habit:{tag}"]
+    (letter,) = [
+        d for d in store.dead_letters.list_dead_letters(limit=1000) if d.key == f"habit:{tag}"
+    ]
     assert letter.error_type not in ("AttemptLimitReached", "TransactionMisuse")
     assert "exhausted" in letter.reason and letter.error_class == "transient"

@@ -117,7 +117,7 @@ def iso(timestamp: float) -> str:
 
 def claim(store: SqlStore, key: str, lease_ttl: float, message: str | None = None) -> int:
     """Claim a key directly, as a worker would; its fencing token."""
-    result = store.claim(
+    result = store.keys.claim(
         ClaimRequest(
             key=key,
             task_name="shop.record",
@@ -162,7 +162,9 @@ def check_status_and_key_show(
 ) -> None:
     """What ``guard status`` and ``guard key show`` say while ``key``'s body is held."""
     store = celery_guard.get_runtime(shop.app).store
-    wait_until(lambda: store.leader("reaper") is not None, 30, "a worker's reaper to be elected")
+    wait_until(
+        lambda: store.recovery.leader("reaper") is not None, 30, "a worker's reaper to be elected"
+    )
 
     status = guard_json("status")
     assert set(status["keys"]) >= {"RUNNING", "COMPLETED", "RELEASED", "DEAD"}
@@ -363,9 +365,9 @@ def test_prune_deletes_completed_keys_past_their_retention(
     try:
         store.ensure_schema()
         for name, retention in (("gone-1", 0.0), ("gone-2", 0.0), ("kept", 3600.0), ("ever", None)):
-            store.complete(name, claim(store, name, lease_ttl=60), '"ok"', retention)
+            store.keys.complete(name, claim(store, name, lease_ttl=60), '"ok"', retention)
         assert guard_json("prune", env={"CG_STORE_URL": url}) == {"pruned": 2, "complete": True}
-        assert [store.get(name) is None for name in ("gone-1", "gone-2", "kept", "ever")] == [
+        assert [store.keys.get(name) is None for name in ("gone-1", "gone-2", "kept", "ever")] == [
             True,
             True,
             False,
@@ -422,7 +424,7 @@ def test_reconcile_finds_an_expired_lease_and_republishes_a_letter_missing_from_
         assert skipped["table_only"] == [] and skipped["queue_only"] == []
         assert drain_dead_letter_queue(shop, "celery_guard.dead_letters") == []
     finally:
-        store.release(orphan, token, None)
+        store.keys.release(orphan, token, None)
 
 
 def test_reconcile_with_redis_leases_ends_stale_leases_and_records_queue_only_letters(
@@ -445,7 +447,7 @@ def test_reconcile_with_redis_leases_ends_stale_leases_and_records_queue_only_le
         # (2) a lease whose key has no row.
         leases.set("celery_guard:{cli:ghost}:lease", 7, px=60_000)
         # (3) a dead letter in the queue only (its table row was lost).
-        sink = DeadLetterSink(shop.app, store, queue)
+        sink = DeadLetterSink(shop.app, store.dead_letters, queue)
         sink.publish(
             DeadLetter(
                 id=4242,
@@ -511,9 +513,9 @@ def test_reconcile_with_redis_leases_ends_stale_leases_and_records_queue_only_le
         assert applied["leases_without_running_key"]["items"][0]["result"] == "deleted"
         assert applied["dead_letter_queue"]["queue_only"][0]["result"] == "inserted"
         assert not leases.exists("celery_guard:{cli:ghost}:lease")
-        recorded = store.get_dead_letter(4242)
+        recorded = store.dead_letters.get_dead_letter(4242)
         assert recorded is not None and (recorded.key, recorded.error) == ("cli:lost", "lost")
-        record = store.get("cli:no-lease")
+        record = store.keys.get("cli:no-lease")
         assert record is not None and record.fencing_token == stale_token
         assert (record.lease_expires_at or 0) <= store.now()
 
@@ -525,7 +527,7 @@ def test_reconcile_with_redis_leases_ends_stale_leases_and_records_queue_only_le
         assert after["dead_letter_queue"]["queue_only"] == []
         assert after["dead_letter_queue"]["table_only"] == []
         # The id sequence moved past the recorded letter: the next one cannot collide.
-        later = store.dead_letter(
+        later = store.dead_letters.dead_letter(
             healthy_token,
             DeadLetter(
                 key="cli:healthy",
@@ -578,7 +580,7 @@ def test_key_revive_makes_a_dead_key_claimable_and_refuses_anything_else(
         shop.reject_order.delay(tag).get(timeout=60)
     key = f"reject:{tag}"
     assert "revived" in guard_ok("key", "revive", key)
-    record = celery_guard.get_runtime(shop.app).store.get(key)
+    record = celery_guard.get_runtime(shop.app).store.keys.get(key)
     assert record is not None and (record.state, record.attempts) == ("RELEASED", 0)
     assert "not DEAD" in guard_fails("key", "revive", key)
     assert "not DEAD" in guard_fails("key", "revive", f"no-such-key-{tag}")

@@ -65,12 +65,14 @@ def test_dead_letters_survive_a_broker_and_a_worker_restart(
         tag = uuid.uuid4().hex[:12]
         with pytest.raises(ValueError, match="has no lines"):
             client.send_task("shop.reject_order", args=(tag,)).get(timeout=60)
-        (letter,) = store.list_dead_letters(limit=10)
+        (letter,) = store.dead_letters.list_dead_letters(limit=10)
         assert worker.stop() == 0
         persistent_redis.restart()
         (worker,) = start_workers(1, env)
-        assert store.list_dead_letters(limit=10) == [letter], "the table outlives everything"
-        record = store.get(f"reject:{tag}")
+        assert store.dead_letters.list_dead_letters(limit=10) == [letter], (
+            "the table outlives everything"
+        )
+        record = store.keys.get(f"reject:{tag}")
         assert record is not None and record.state == "DEAD"
         found: list[list[dict[str, object]]] = []
         wait_until(

@@ -23,7 +23,9 @@ RESULT_TIMEOUT = 60
 
 def dead_letters_for(shop: ModuleType, key: str) -> list[celery_guard.store.DeadLetter]:
     store = celery_guard.get_runtime(shop.app).store
-    return [letter for letter in store.list_dead_letters(limit=500) if letter.key == key]
+    return [
+        letter for letter in store.dead_letters.list_dead_letters(limit=500) if letter.key == key
+    ]
 
 
 def drain_dead_letter_queue(shop: ModuleType, queue_name: str) -> list[dict[str, object]]:

@@ -98,7 +98,7 @@ class Scene:
             return {tag: int(count) for tag, count in rows}
 
     def record(self, key: str) -> KeyRecord | None:
-        return self.store.get(key)
+        return self.store.keys.get(key)
 
     def wait_record(
         self, key: str, check: Callable[[KeyRecord], bool], what: str, timeout: float = 60
@@ -106,7 +106,7 @@ class Scene:
         found: list[KeyRecord] = []
 
         def reached() -> bool:
-            record = self.store.get(key)
+            record = self.store.keys.get(key)
             if record is not None and check(record):
                 found.append(record)
                 return True

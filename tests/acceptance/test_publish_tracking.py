@@ -68,7 +68,7 @@ class Scene:
         return worker
 
     def records(self) -> dict[str, PublishRecord]:
-        return {r.key: r for r in self.store.due_publishes(after=-86400, limit=1000)}
+        return {r.key: r for r in self.store.publishes.due_publishes(after=-86400, limit=1000)}
 
     def queued(self, queue: str | None = None) -> list[bytes]:
         with self.redis.client(BROKER_DB) as client:
@@ -211,7 +211,9 @@ def test_revoked_and_unknown_messages_are_forgotten_not_re_published(scene: Scen
     wait_until(lambda: scene.records() == {}, TIMEOUT, "both records to be forgotten")
     log = worker.log_text()
     assert f"id={unknown.id}: unknown task" in log and f"id={revoked_id}: revoked" in log
-    assert [letter.task_id for letter in scene.store.list_dead_letters()] == [unknown.id]
+    assert [letter.task_id for letter in scene.store.dead_letters.list_dead_letters()] == [
+        unknown.id
+    ]
     assert effects_in(scene.store, tag) == 0 and scene.republished() == ""
 
 

@@ -112,7 +112,7 @@ def test_a_whole_worker_sigkilled_mid_task_runs_once(amqp: AmqpCluster) -> None:
     recovered_in = time.monotonic() - killed_at
     assert value["fencing_token"] == 2
     assert recovered_in < LEASE_TTL + 30  # the lease at worst, a loaded host
-    record = amqp.store.get(key)
+    record = amqp.store.keys.get(key)
     assert record is not None
     assert (record.state, record.claim_reason, record.attempts) == ("COMPLETED", "TAKEOVER", 2)
     assert amqp.effects(tag) == 1
@@ -148,7 +148,7 @@ def test_a_frozen_worker_is_taken_over_and_its_late_commit_refused(amqp: AmqpClu
         what="the zombie's commit to be refused",
     )
     assert amqp.effects(tag) == 1
-    record = amqp.store.get(key)
+    record = amqp.store.keys.get(key)
     assert record is not None and (record.state, record.fencing_token) == ("COMPLETED", 2)
 
 
@@ -163,13 +163,17 @@ def test_a_poison_pill_is_dead_lettered_and_other_work_goes_on(amqp: AmqpCluster
     assert [o.get(timeout=90)["tag"] for o in others] == [f"{tag}-{n}" for n in range(10)]
     key = f"poison:{tag}"
     wait_until(
-        lambda: (amqp.store.get(key) or _absent).state == "DEAD",
+        lambda: (amqp.store.keys.get(key) or _absent).state == "DEAD",
         timeout=120,
         what="the poison pill to be dead-lettered",
     )
-    (letter,) = [letter for letter in amqp.store.list_dead_letters(limit=50) if letter.key == key]
+    (letter,) = [
+        letter
+        for letter in amqp.store.dead_letters.list_dead_letters(limit=50)
+        if letter.key == key
+    ]
     assert letter.error_class == "poison" and letter.attempts == 3
-    record = amqp.store.get(key)
+    record = amqp.store.keys.get(key)
     assert record is not None and record.attempts == 4, "stopped at the 4th claim, unrun"
     with pytest.raises(Exception):  # noqa: B017 - WorkerLostError or DeadLettered
         pill.get(timeout=60)

@@ -130,7 +130,7 @@ def test_the_quick_start_runs_as_written_and_prints_what_it_says(
     url = store_url if store == "postgresql" else f"sqlite:///{tmp_path / 'shop.sqlite3'}"
     guard_store = SqlStore(GuardConfig(store_url=url))
     try:
-        record = guard_store.get("charge:42")
+        record = guard_store.keys.get("charge:42")
         assert record is not None and (record.state, record.attempts) == ("COMPLETED", 1)
         assert record.duplicates == 3, "three of the four deliveries ran nothing"
         with guard_store.engine.connect() as connection:

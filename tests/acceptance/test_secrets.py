@@ -212,7 +212,7 @@ def test_no_password_in_logs_exceptions_metrics_or_cli_output(scene: Scene) -> N
     )
     wrong = SqlStore(GuardConfig(store_url=wrong_store, store_timeout=2))
     with pytest.raises(Exception) as caught:
-        wrong.claim(request)
+        wrong.keys.claim(request)
     scene.evidence.exception("SqlStore.claim, wrong password", caught.value)
     wrong.dispose()
     leases = RedisLeases(wrong_lease, timeout=2)

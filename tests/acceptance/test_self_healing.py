@@ -120,14 +120,14 @@ def test_a_whole_worker_sigkilled_mid_task_is_recovered_by_the_reaper(cluster: C
     recovered_in = time.monotonic() - killed_at
     assert recovered_in <= LEASE_TTL + REAPER_INTERVAL + 5 + slack
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(key)
+    record = cluster.store.keys.get(key)
     assert record is not None
     assert (record.state, record.claim_reason, record.fencing_token) == ("COMPLETED", "TAKEOVER", 2)
     assert value["fencing_token"] == 2
     # The killed worker's message comes back after the (test's short) visibility timeout; its
     # claim finds the key COMPLETED and runs nothing.
     wait_until(
-        lambda: (cluster.store.get(key) or _never).duplicates >= 1,
+        lambda: (cluster.store.keys.get(key) or _never).duplicates >= 1,
         timeout=90,
         what="the original message's redelivery",
     )
@@ -166,7 +166,7 @@ def test_a_prefork_child_sigkilled_mid_task_runs_once(cluster: Cluster) -> None:
     value = result.get(timeout=60)
     assert value["pid"] != child and value["fencing_token"] == 2
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"gated:{tag}")
+    record = cluster.store.keys.get(f"gated:{tag}")
     assert record is not None and record.state == "COMPLETED" and record.attempts == 2
 
 
@@ -194,7 +194,7 @@ def test_a_frozen_worker_is_taken_over_and_its_late_commit_is_refused(cluster: C
         what="the zombie's commit to be refused",
     )
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(key)
+    record = cluster.store.keys.get(key)
     assert record is not None and record.fencing_token == 2 and record.state == "COMPLETED"
 
 
@@ -206,7 +206,7 @@ def test_a_body_hung_on_a_socket_loses_its_lease_after_the_hard_deadline(
     result = cluster.send("shop.hang_first_attempt", tag)
     assert result.get(timeout=60) == 2, "the second execution took the key over"
     assert cluster.effects(tag) == 1
-    record = cluster.store.get(f"hang:{tag}")
+    record = cluster.store.keys.get(f"hang:{tag}")
     assert record is not None and record.claim_reason == "TAKEOVER"
 
 
@@ -221,7 +221,7 @@ def test_a_warm_shutdown_mid_task_finishes_the_task_once(cluster: Cluster) -> No
         wait_running(cluster, key)
         worker.request_warm_shutdown()
         wait_until(lambda: "DRAINING" in worker.log_text(), 30, "the worker to drain")
-        record = cluster.store.get(key)
+        record = cluster.store.keys.get(key)
         assert record is not None and record.state == "RUNNING" and cluster.effects(tag) == 0
     finally:
         open_gates(cluster.env["CG_MARKER_DIR"], tag, 1)
@@ -267,7 +267,7 @@ def test_a_countdown_longer_than_the_visibility_timeout_runs_once(cluster: Clust
     # The broker handed the waiting message out again while it waited for its ETA; that copy
     # reaches the store as a prevented duplicate.
     wait_until(
-        lambda: (cluster.store.get(f"long:{tag}") or _never).duplicates >= 1,
+        lambda: (cluster.store.keys.get(f"long:{tag}") or _never).duplicates >= 1,
         timeout=60,
         what="the broker's redelivery of the ETA message",
     )
@@ -284,7 +284,7 @@ def test_heartbeats_renew_the_lease_where_it_lives(cluster: Cluster) -> None:
     result = cluster.send("shop.gated", tag)
     try:
         wait_running(cluster, key)
-        claimed = cluster.store.get(key)
+        claimed = cluster.store.keys.get(key)
         assert claimed is not None and claimed.lease_expires_at is not None
         # Wait past the claim-time lease while the body still runs.
         wait_until(
@@ -292,7 +292,7 @@ def test_heartbeats_renew_the_lease_where_it_lives(cluster: Cluster) -> None:
             timeout=30,
             what="the claim-time lease to pass",
         )
-        running = cluster.store.get(key)
+        running = cluster.store.keys.get(key)
         assert running is not None and running.state == "RUNNING"
         assert running.fencing_token == claimed.fencing_token, "never taken over"
         if cluster.lease_backend == "redis-leases":

@@ -92,7 +92,7 @@ def scene(redis_server: RedisServer, tmp_path: Path) -> Iterator[Scene]:
 
 def wait_completed(store: SqlStore, key: str) -> None:
     def completed() -> bool:
-        record = store.get(key)
+        record = store.keys.get(key)
         return record is not None and record.state == "COMPLETED"
 
     wait_until(completed, TIMEOUT, f"key {key!r} to be COMPLETED")

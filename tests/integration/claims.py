@@ -7,7 +7,7 @@ from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
 
 def claim(store: SqlStore, key: str, *, ttl: float = 30.0, message: str | None = None) -> int:
     """Claim ``key`` as a new owner (it must succeed) and return its fencing token."""
-    result = store.claim(
+    result = store.keys.claim(
         ClaimRequest(
             key=key,
             task_name="shop.record",

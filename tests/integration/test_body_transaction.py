@@ -67,7 +67,7 @@ def rows(app: Celery, tag: str) -> int:
 
 
 def state(app: Celery, key: str) -> tuple[str, int]:
-    record = celery_guard.get_runtime(app).store.get(key)
+    record = celery_guard.get_runtime(app).store.keys.get(key)
     assert record is not None
     return record.state, record.attempts
 

@@ -49,9 +49,11 @@ def test_a_name_error_is_dead_lettered_on_its_first_execution(app: Celery) -> No
         buggy.delay("o-1")
     assert runs == ["o-1"], "one execution: a retry runs the same bug again"
     store = celery_guard.get_runtime(app).store
-    record = store.get("buggy:o-1")
+    record = store.keys.get("buggy:o-1")
     assert record is not None and (record.state, record.attempts) == ("DEAD", 1)
-    (letter,) = [letter for letter in store.list_dead_letters() if letter.key == "buggy:o-1"]
+    (letter,) = [
+        letter for letter in store.dead_letters.list_dead_letters() if letter.key == "buggy:o-1"
+    ]
     assert (letter.error_class, letter.error_type) == ("permanent", "NameError")
     assert letter.reason == "permanent error"
 
@@ -83,6 +85,8 @@ def test_a_programming_error_listed_transient_is_retried_not_dead_lettered(app: 
     with pytest.raises(Retry, match="not_yet_deployed"):
         late_import.delay("o-2")
     store = celery_guard.get_runtime(app).store
-    record = store.get("late:o-2")
+    record = store.keys.get("late:o-2")
     assert record is not None and (record.state, record.attempts) == ("RELEASED", 1)
-    assert not [letter for letter in store.list_dead_letters() if letter.key == "late:o-2"]
+    assert not [
+        letter for letter in store.dead_letters.list_dead_letters() if letter.key == "late:o-2"
+    ]

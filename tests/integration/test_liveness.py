@@ -21,8 +21,8 @@ from tests.rig.servers import PostgresServer, RedisServer
 def claim_and_hang(url: str, key: str, ready: Any) -> None:
     store = SqlStore(GuardConfig(store_url=url))
     owner = f"child/{os.getpid()}"
-    lock = ProcessLiveness(store, recheck_after=30).lock_id(owner)
-    outcome = store.claim(
+    lock = ProcessLiveness(store.db, recheck_after=30).lock_id(owner)
+    outcome = store.keys.claim(
         ClaimRequest(
             key=key,
             task_name="t",
@@ -52,8 +52,10 @@ def test_a_killed_owner_is_found_dead_at_once_and_its_key_recovered(
         outcome, lock = ready.get(timeout=60)
         assert outcome == ClaimOutcome.CLAIMED.value
         assert lock == owner_lock_id(f"child/{child.pid}")
-        assert store.dead_owner_keys(limit=10) == [], "a living owner is not dead"
-        reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=300, holder="r")
+        assert store.recovery.dead_owner_keys(limit=10) == [], "a living owner is not dead"
+        reaper = Reaper(
+            app, store.recovery, SqlLeases(store.keys), interval=1, lease_ttl=300, holder="r"
+        )
         assert reaper.run_once().recovered == [], "its 300 s lease is still running"
         assert child.pid is not None
         os.kill(child.pid, signal.SIGKILL)
@@ -76,8 +78,8 @@ def test_a_killed_owner_is_found_dead_at_once_and_its_key_recovered(
 
 def test_liveness_is_a_no_op_on_sqlite(sqlite_url: str) -> None:
     store = SqlStore(GuardConfig(store_url=sqlite_url))
-    assert ProcessLiveness(store, recheck_after=10).lock_id("w/1") is None
-    assert store.dead_owner_keys(limit=10) == []
+    assert ProcessLiveness(store.db, recheck_after=10).lock_id("w/1") is None
+    assert store.recovery.dead_owner_keys(limit=10) == []
     store.dispose()
 
 
@@ -91,21 +93,21 @@ def test_a_postgresql_restart_kills_every_lock_but_no_owner(tmp_path: Any) -> No
         url = server.create_database("restart")
         store = SqlStore(GuardConfig(store_url=url, store_timeout=2.0))
         store.ensure_schema()
-        liveness = ProcessLiveness(store, recheck_after=300)  # the cache alone would not notice
+        liveness = ProcessLiveness(store.db, recheck_after=300)  # the cache alone would not notice
         try:
             lock = liveness.lock_id("w/1")
             assert lock is not None
-            store.claim(claim_request("before", lock))
+            store.keys.claim(claim_request("before", lock))
             server.restart()
             store.dispose()
             # The claim's lock died with the server, not with its owner: not dead.
-            assert store.dead_owner_keys(limit=10) == []
+            assert store.recovery.dead_owner_keys(limit=10) == []
             # The process's next claim holds its lock again (on a new session) or records none.
             again = liveness.lock_id("w/1")
             again = again if again is not None else liveness.lock_id("w/1")
             assert again == lock
-            store.claim(claim_request("after", again))
-            assert store.dead_owner_keys(limit=10) == [], "its lock is held again"
+            store.keys.claim(claim_request("after", again))
+            assert store.recovery.dead_owner_keys(limit=10) == [], "its lock is held again"
         finally:
             liveness._drop()
             store.dispose()

@@ -39,7 +39,7 @@ class Producer:
         return self.app.tasks[name].apply_async(args, queue=self.queue, **options)
 
     def records(self) -> dict[str, PublishRecord]:
-        return {r.key: r for r in self.store.due_publishes(after=-86400, limit=1000)}
+        return {r.key: r for r in self.store.publishes.due_publishes(after=-86400, limit=1000)}
 
     def queued(self) -> list[dict[str, Any]]:
         """The messages waiting in the queue, oldest first (kombu's envelopes)."""
@@ -174,7 +174,7 @@ def test_a_store_that_does_not_answer_delays_one_publish_then_they_go_out_untrac
         assert fast < 0.5, f"the next publish waited {fast:.1f}s: tracking was not paused"
         sent = {m["headers"]["id"] for m in made.queued()}
         assert {first.id, second.id} <= sent, "both were published"
-        recorded = {r.task_id for r in direct.due_publishes(-86400, 100)}
+        recorded = {r.task_id for r in direct.publishes.due_publishes(-86400, 100)}
         assert first.id not in recorded and second.id not in recorded
         assert "sent untracked" in caplog.text
 
@@ -183,7 +183,7 @@ def test_a_store_that_does_not_answer_delays_one_publish_then_they_go_out_untrac
 
         def tracked_again() -> bool:
             result = made.send("shop.record", f"after-{next(tags)}")
-            return result.id in {r.task_id for r in direct.due_publishes(-86400, 1000)}
+            return result.id in {r.task_id for r in direct.publishes.due_publishes(-86400, 1000)}
 
         wait_until(tracked_again, 30, "tracking to resume after the pause", interval=0.5)
         assert "publish tracking resumed" in caplog.text

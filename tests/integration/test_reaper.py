@@ -21,43 +21,45 @@ from tests.rig.servers import RedisServer
 
 
 def test_one_leader_at_a_time_and_a_resigned_lease_is_free(store: SqlStore) -> None:
-    assert store.acquire_leadership("reaper", "a", ttl=30)
-    assert store.acquire_leadership("reaper", "a", ttl=30), "the holder keeps it"
-    assert not store.acquire_leadership("reaper", "b", ttl=30)
-    store.resign_leadership("reaper", "a")
-    assert store.acquire_leadership("reaper", "b", ttl=30)
-    assert not store.acquire_leadership("reaper", "a", ttl=30)
+    assert store.recovery.acquire_leadership("reaper", "a", ttl=30)
+    assert store.recovery.acquire_leadership("reaper", "a", ttl=30), "the holder keeps it"
+    assert not store.recovery.acquire_leadership("reaper", "b", ttl=30)
+    store.recovery.resign_leadership("reaper", "a")
+    assert store.recovery.acquire_leadership("reaper", "b", ttl=30)
+    assert not store.recovery.acquire_leadership("reaper", "a", ttl=30)
 
 
 def test_an_expired_leadership_passes_to_the_next_candidate(store: SqlStore) -> None:
-    assert store.acquire_leadership("reaper", "a", ttl=0.1)
-    wait_until(lambda: store.acquire_leadership("reaper", "b", ttl=30), 10, "leadership")
+    assert store.recovery.acquire_leadership("reaper", "a", ttl=0.1)
+    wait_until(lambda: store.recovery.acquire_leadership("reaper", "b", ttl=30), 10, "leadership")
 
 
 def test_orphans_are_expired_running_keys_marked_once_per_period(store: SqlStore) -> None:
     live = claim(store, "live")
     orphan = claim(store, "orphan", ttl=0.1)
     done = claim(store, "done", ttl=0.1)
-    store.complete("done", done, "1", retention=60)
+    store.keys.complete("done", done, "1", retention=60)
     wait_until(
-        lambda: [r.key for r in store.orphans(republish_after=60, limit=10)] == ["orphan"],
+        lambda: [r.key for r in store.recovery.orphans(republish_after=60, limit=10)] == ["orphan"],
         timeout=10,
         what="the orphan's lease to expire",
     )
-    assert store.mark_republished("orphan", orphan, republish_after=60)
-    assert not store.mark_republished("orphan", orphan, republish_after=60), "once per period"
-    assert store.orphans(republish_after=60, limit=10) == []
-    assert not store.mark_republished("live", live, republish_after=60), "a live lease"
+    assert store.recovery.mark_republished("orphan", orphan, republish_after=60)
+    assert not store.recovery.mark_republished("orphan", orphan, republish_after=60), (
+        "once per period"
+    )
+    assert store.recovery.orphans(republish_after=60, limit=10) == []
+    assert not store.recovery.mark_republished("live", live, republish_after=60), "a live lease"
 
 
 def test_pruning_deletes_completed_keys_past_their_retention_only(store: SqlStore) -> None:
     for key, retention in (("gone", 0.0), ("kept", 600.0), ("forever", None)):
         token = claim(store, key)
-        store.complete(key, token, "1", retention=retention)
+        store.keys.complete(key, token, "1", retention=retention)
     claim(store, "running")
-    assert store.prune_completed(limit=100) == 1
-    assert store.get("gone") is None
-    assert all(store.get(key) is not None for key in ("kept", "forever", "running"))
+    assert store.recovery.prune_completed(limit=100) == 1
+    assert store.keys.get("gone") is None
+    assert all(store.keys.get(key) is not None for key in ("kept", "forever", "running"))
 
 
 def test_a_pruned_keys_next_row_starts_above_every_token_the_old_row_issued(
@@ -66,8 +68,8 @@ def test_a_pruned_keys_next_row_starts_above_every_token_the_old_row_issued(
     """Regression (found by tests/property): pruning deleted a row's tokens with it, so the
     key's next claim started again at token 1 and a zombie of the old row owned the new one."""
     zombie = claim(store, "k")  # token 1; its worker freezes
-    assert store.expire_lease("k", zombie)
-    takeover = store.claim(
+    assert store.recovery.expire_lease("k", zombie)
+    takeover = store.keys.claim(
         ClaimRequest(
             key="k",
             task_name="shop.record",
@@ -79,15 +81,15 @@ def test_a_pruned_keys_next_row_starts_above_every_token_the_old_row_issued(
         )
     )
     assert takeover.record.fencing_token == 2
-    store.complete("k", 2, "1", retention=0.0)  # guard_result_ttl = 0: only while in flight
-    assert store.prune_completed(limit=100) == 1
+    store.keys.complete("k", 2, "1", retention=0.0)  # guard_result_ttl = 0: only while in flight
+    assert store.recovery.prune_completed(limit=100) == 1
     fresh = claim(store, "k")  # a new call with the same key
-    assert store.renew_leases([("k", zombie)], 30) == set(), "the zombie must stay fenced"
+    assert store.keys.renew_leases([("k", zombie)], 30) == set(), "the zombie must stay fenced"
     with pytest.raises(Fenced):
-        store.complete("k", zombie, '"zombie"', retention=None)
+        store.keys.complete("k", zombie, '"zombie"', retention=None)
     assert fresh == 3, "the new row's tokens start above the pruned row's"
-    store.complete("k", fresh, '"fresh"', retention=None)
-    assert store.token_floor() == 2
+    store.keys.complete("k", fresh, '"fresh"', retention=None)
+    assert store.recovery.token_floor() == 2
     assert claim(store, "other") == 3, "a new key starts above the floor too"
 
 
@@ -110,7 +112,9 @@ def test_a_pass_republishes_an_orphans_stored_message_to_its_queue(
     )
     claim(store, "orphan", ttl=0.1, message=message)
     app = Celery("reaper-test", broker=broker, set_as_current=False)
-    reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=0.1, holder="me")
+    reaper = Reaper(
+        app, store.recovery, SqlLeases(store.keys), interval=1, lease_ttl=0.1, holder="me"
+    )
     try:
         wait_until(lambda: reaper.run_once().recovered == ["orphan"], 10, "the orphan's recovery")
         assert reaper.run_once().recovered == [], "not re-published again within the period"
@@ -132,8 +136,10 @@ def test_with_redis_leases_a_held_lease_keeps_its_key_out_of_the_reaper(
     try:
         held = leases.acquire("alive", ttl=30)
         claim(store, "alive", ttl=0.1, message='{"task": "t"}')
-        reaper = Reaper(app, store, leases, interval=1, lease_ttl=0.1, holder="me")
-        wait_until(lambda: store.orphans(60, 10) != [], 10, "the row's claim-time lease to end")
+        reaper = Reaper(app, store.recovery, leases, interval=1, lease_ttl=0.1, holder="me")
+        wait_until(
+            lambda: store.recovery.orphans(60, 10) != [], 10, "the row's claim-time lease to end"
+        )
         assert reaper.run_once().recovered == []
         assert held.handle is not None
         leases.release("alive", held.handle)
@@ -164,8 +170,10 @@ def test_a_pass_republishes_a_tracked_publish_no_worker_claimed_once_its_queue_m
     """The reaper side of publish tracking, on SQLite and PostgreSQL, with a Redis broker."""
     app = Celery("reaper-test", broker=redis_server.url_for(10), set_as_current=False)
     queue = f"tracked-{uuid.uuid4().hex[:8]}"
-    outbox = UnclaimedRepublisher(app, store, after=0.2)
-    reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=5, outbox=outbox)
+    outbox = UnclaimedRepublisher(app, store.publishes, after=0.2)
+    reaper = Reaper(
+        app, store.recovery, SqlLeases(store.keys), interval=1, lease_ttl=5, outbox=outbox
+    )
     try:
         # Still waiting in its queue (its own header is the oldest there): left alone.
         app.send_task(
@@ -177,7 +185,7 @@ def test_a_pass_republishes_a_tracked_publish_no_worker_claimed_once_its_queue_m
         )
         with redis_server.client(10) as client:
             stamp = json.loads(client.lindex(queue, -1))["headers"]["guard_published_at"]
-        assert store.track_publish(
+        assert store.publishes.track_publish(
             key="k-1",
             task_name="shop.record",
             task_id="t-1",
@@ -206,12 +214,12 @@ def test_a_pass_republishes_a_tracked_publish_no_worker_claimed_once_its_queue_m
             assert received.headers["id"] == "t-1"
             assert received.headers["guard_idempotency_key"] == "k-1"
             assert received.decode()[0] == ["tag"]
-        (record,) = store.due_publishes(after=-60, limit=10)
+        (record,) = store.publishes.due_publishes(after=-60, limit=10)
         assert record.republishes == 1 and record.republished_at is not None
         claim(store, "k-1")  # a worker claims it: the record is forgotten
         forgotten = reaper.run_once().outbox
         assert forgotten is not None and forgotten.forgotten == 1
-        assert store.unclaimed_publishes() == (0, None)
+        assert store.publishes.unclaimed_publishes() == (0, None)
     finally:
         reaper.stop()
         app.close()
@@ -222,12 +230,14 @@ def test_a_pass_goes_on_when_publish_tracking_fails(
 ) -> None:
     """A published table your migrations have not created yet: logged, the rest still runs."""
     app = Celery("reaper-test", broker="memory://", set_as_current=False)
-    outbox = UnclaimedRepublisher(app, store, after=60)
-    reaper = Reaper(app, store, SqlLeases(store), interval=1, lease_ttl=0.1, outbox=outbox)
+    outbox = UnclaimedRepublisher(app, store.publishes, after=60)
+    reaper = Reaper(
+        app, store.recovery, SqlLeases(store.keys), interval=1, lease_ttl=0.1, outbox=outbox
+    )
     claim(store, "orphan", ttl=0.1)  # no stored message: reported unrecoverable
     with store.engine.begin() as connection:
         connection.execute(text("DROP TABLE celery_guard_published"))
-    wait_until(lambda: store.orphans(60, 10) != [], 10, "the orphan's lease to end")
+    wait_until(lambda: store.recovery.orphans(60, 10) != [], 10, "the orphan's lease to end")
     report = reaper.run_once()
     assert report.leader and report.unrecoverable == ["orphan"]
     assert "publish tracking failed this pass" in caplog.text

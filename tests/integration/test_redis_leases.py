@@ -68,7 +68,7 @@ def test_an_unreachable_redis_is_a_store_outage_without_the_password() -> None:
 
 
 def claim(store: SqlStore, token: int, owner: str = "w1/1") -> ClaimOutcome:
-    return store.claim(
+    return store.keys.claim(
         ClaimRequest(
             key="k",
             task_name="t",
@@ -86,7 +86,7 @@ def test_the_holder_of_the_external_lease_takes_a_running_row_over(store: SqlSto
     assert claim(store, 1) is ClaimOutcome.CLAIMED
     # The row's own lease is still live; holding the Redis lease is what entitles a takeover.
     assert claim(store, 2, owner="w2/2") is ClaimOutcome.CLAIMED
-    record = store.get("k")
+    record = store.keys.get("k")
     assert record is not None
     assert (record.fencing_token, record.claim_reason, record.owner) == (2, "TAKEOVER", "w2/2")
 
@@ -95,7 +95,7 @@ def test_a_counter_that_went_backwards_still_yields_a_newer_token(store: SqlStor
     """Redis restarted without persistence: INCR starts over, the row's token keeps rising."""
     assert claim(store, 5) is ClaimOutcome.CLAIMED
     assert claim(store, 1, owner="w2/2") is ClaimOutcome.CLAIMED
-    record = store.get("k")
+    record = store.keys.get("k")
     assert record is not None and record.fencing_token == 6
 
 

@@ -35,7 +35,7 @@ def request(key: str = "k", fingerprint: str | None = "fp-a", **overrides: Any) 
 
 
 def test_first_claim_owns_the_key(store: SqlStore) -> None:
-    claim = store.claim(request())
+    claim = store.keys.claim(request())
     assert claim.outcome is ClaimOutcome.CLAIMED
     record = claim.record
     assert (record.state, record.attempts, record.fencing_token) == ("RUNNING", 1, 1)
@@ -44,8 +44,8 @@ def test_first_claim_owns_the_key(store: SqlStore) -> None:
 
 
 def test_a_live_lease_is_in_flight_for_everyone_else(store: SqlStore) -> None:
-    store.claim(request())
-    second = store.claim(request(owner="w2/2"))
+    store.keys.claim(request())
+    second = store.keys.claim(request(owner="w2/2"))
     assert second.outcome is ClaimOutcome.IN_FLIGHT
     assert second.record.owner == "w1/1"
     assert second.record.fencing_token == 1
@@ -53,14 +53,14 @@ def test_a_live_lease_is_in_flight_for_everyone_else(store: SqlStore) -> None:
 
 
 def test_completed_key_answers_with_its_result_and_counts_duplicates(store: SqlStore) -> None:
-    token = store.claim(request()).record.fencing_token
-    store.complete("k", token, '{"charged": 10}', retention=60.0)
+    token = store.keys.claim(request()).record.fencing_token
+    store.keys.complete("k", token, '{"charged": 10}', retention=60.0)
     for expected_duplicates in (1, 2, 3):
-        replay = store.claim(request(owner="w2/2"))
+        replay = store.keys.claim(request(owner="w2/2"))
         assert replay.outcome is ClaimOutcome.DUPLICATE
         assert replay.record.result == '{"charged": 10}'
         assert replay.record.duplicates == expected_duplicates
-    record = store.get("k")
+    record = store.keys.get("k")
     assert record is not None and record.state == KeyState.COMPLETED.value
     assert record.attempts == 1 and record.fencing_token == 1
 
@@ -69,44 +69,44 @@ def test_completed_key_answers_with_its_result_and_counts_duplicates(store: SqlS
 def test_a_different_payload_under_one_key_conflicts_and_changes_nothing(
     store: SqlStore, complete_first: bool
 ) -> None:
-    token = store.claim(request()).record.fencing_token
+    token = store.keys.claim(request()).record.fencing_token
     if complete_first:
-        store.complete("k", token, "1", retention=60.0)
-    before = store.get("k")
-    conflict = store.claim(request(fingerprint="fp-b", owner="w2/2"))
+        store.keys.complete("k", token, "1", retention=60.0)
+    before = store.keys.get("k")
+    conflict = store.keys.claim(request(fingerprint="fp-b", owner="w2/2"))
     assert conflict.outcome is ClaimOutcome.CONFLICT
-    assert store.get("k") == before
+    assert store.keys.get("k") == before
 
 
 def test_task_id_keys_accept_a_new_payload_after_release(store: SqlStore) -> None:
     """Task.replace() reuses the task id with another task: it must be able to claim."""
-    token = store.claim(request(check_fingerprint=False)).record.fencing_token
-    assert store.release("k", token, "Ignore: replaced")
-    successor = store.claim(request(fingerprint="fp-b", check_fingerprint=False))
+    token = store.keys.claim(request(check_fingerprint=False)).record.fencing_token
+    assert store.keys.release("k", token, "Ignore: replaced")
+    successor = store.keys.claim(request(fingerprint="fp-b", check_fingerprint=False))
     assert successor.outcome is ClaimOutcome.CLAIMED
     assert successor.record.fingerprint == "fp-b"
 
 
 def test_release_lets_the_next_delivery_retry_with_a_newer_token(store: SqlStore) -> None:
-    token = store.claim(request()).record.fencing_token
-    assert store.release("k", token, "ValueError: boom")
-    released = store.get("k")
+    token = store.keys.claim(request()).record.fencing_token
+    assert store.keys.release("k", token, "ValueError: boom")
+    released = store.keys.get("k")
     assert released is not None and released.state == "RELEASED"
     assert released.last_error == "ValueError: boom"
-    retry = store.claim(request())
+    retry = store.keys.claim(request())
     assert retry.outcome is ClaimOutcome.CLAIMED
     assert (retry.record.attempts, retry.record.fencing_token) == (2, 2)
     assert retry.record.claim_reason == "RETRY"
-    assert not store.release("k", token, "stale owner"), "an old token cannot release"
+    assert not store.keys.release("k", token, "stale owner"), "an old token cannot release"
 
 
 def test_expired_lease_is_taken_over_and_the_old_owner_is_fenced(store: SqlStore) -> None:
-    old = store.claim(request(lease_ttl=0.2))
+    old = store.keys.claim(request(lease_ttl=0.2))
     takeover = None
 
     def taken_over() -> bool:
         nonlocal takeover
-        takeover = store.claim(request(owner="w2/2"))
+        takeover = store.keys.claim(request(owner="w2/2"))
         return takeover.outcome is ClaimOutcome.CLAIMED
 
     wait_until(taken_over, timeout=10, what="the expired lease to be taken over")
@@ -115,18 +115,18 @@ def test_expired_lease_is_taken_over_and_the_old_owner_is_fenced(store: SqlStore
     assert takeover.record.fencing_token == old.record.fencing_token + 1
     assert takeover.record.attempts == 2
     with pytest.raises(Fenced):
-        store.complete("k", old.record.fencing_token, '"old"', retention=60.0)
-    store.complete("k", takeover.record.fencing_token, '"new"', retention=60.0)
-    record = store.get("k")
+        store.keys.complete("k", old.record.fencing_token, '"old"', retention=60.0)
+    store.keys.complete("k", takeover.record.fencing_token, '"new"', retention=60.0)
+    record = store.keys.get("k")
     assert record is not None and record.result == '"new"'
 
 
 def test_zero_retention_dedups_only_while_in_flight_and_tokens_keep_rising(
     store: SqlStore,
 ) -> None:
-    first = store.claim(request())
-    store.complete("k", first.record.fencing_token, "1", retention=0.0)
-    again = store.claim(request(fingerprint="fp-other"))
+    first = store.keys.claim(request())
+    store.keys.complete("k", first.record.fencing_token, "1", retention=0.0)
+    again = store.keys.claim(request(fingerprint="fp-other"))
     assert again.outcome is ClaimOutcome.CLAIMED
     assert again.record.attempts == 1
     assert again.record.claim_reason == "NEW"
@@ -134,40 +134,40 @@ def test_zero_retention_dedups_only_while_in_flight_and_tokens_keep_rising(
 
 
 def test_no_retention_keeps_the_result(store: SqlStore) -> None:
-    token = store.claim(request()).record.fencing_token
-    store.complete("k", token, "1", retention=None)
-    record = store.get("k")
+    token = store.keys.claim(request()).record.fencing_token
+    store.keys.complete("k", token, "1", retention=None)
+    record = store.keys.get("k")
     assert record is not None and record.expires_at is None
-    assert store.claim(request()).outcome is ClaimOutcome.DUPLICATE
+    assert store.keys.claim(request()).outcome is ClaimOutcome.DUPLICATE
 
 
 def test_completion_in_a_transaction_commits_with_the_task_writes(store: SqlStore) -> None:
     effects_metadata.create_all(store.engine)
-    token = store.claim(request()).record.fencing_token
-    with store.connect() as connection:
+    token = store.keys.claim(request()).record.fencing_token
+    with store.keys.connect() as connection:
         transaction = connection.begin()
         connection.execute(insert(effects).values(id=1))
-        store.complete("k", token, "1", retention=60.0, connection=connection)
-        store.commit(transaction)
+        store.keys.complete("k", token, "1", retention=60.0, connection=connection)
+        store.keys.commit(transaction)
     with store.engine.connect() as connection:
         assert connection.execute(select(effects.c.id)).scalars().all() == [1]
-    record = store.get("k")
+    record = store.keys.get("k")
     assert record is not None and record.state == "COMPLETED"
 
 
 def test_a_fenced_completion_rolls_back_the_task_writes(store: SqlStore) -> None:
     effects_metadata.create_all(store.engine)
-    stale = store.claim(request(lease_ttl=0.1)).record.fencing_token
+    stale = store.keys.claim(request(lease_ttl=0.1)).record.fencing_token
     wait_until(
-        lambda: store.claim(request(owner="w2/2")).outcome is ClaimOutcome.CLAIMED,
+        lambda: store.keys.claim(request(owner="w2/2")).outcome is ClaimOutcome.CLAIMED,
         timeout=10,
         what="takeover",
     )
-    with store.connect() as connection:
+    with store.keys.connect() as connection:
         transaction = connection.begin()
         connection.execute(insert(effects).values(id=1))
         with pytest.raises(Fenced):
-            store.complete("k", stale, "1", retention=60.0, connection=connection)
+            store.keys.complete("k", stale, "1", retention=60.0, connection=connection)
         transaction.rollback()
     with store.engine.connect() as connection:
         assert connection.execute(select(effects.c.id)).scalars().all() == []
@@ -180,7 +180,7 @@ def test_concurrent_claims_have_exactly_one_winner(store: SqlStore) -> None:
 
     def claimer(n: int) -> None:
         barrier.wait(timeout=10)
-        outcome = store.claim(request(owner=f"w{n}/{n}")).outcome
+        outcome = store.keys.claim(request(owner=f"w{n}/{n}")).outcome
         with lock:
             outcomes.append(outcome)
 
@@ -209,9 +209,9 @@ def test_a_claim_is_one_statement_on_postgresql(pg_url: str) -> None:
     store.ensure_schema()
     statements.clear()
     try:
-        token = store.claim(request()).record.fencing_token
+        token = store.keys.claim(request()).record.fencing_token
         assert len(statements) == 1 and statements[0].lstrip().upper().startswith("INSERT")
-        store.complete("k", token, "1", retention=60.0)
+        store.keys.complete("k", token, "1", retention=60.0)
         assert len(statements) == 2 and statements[1].lstrip().upper().startswith("UPDATE")
     finally:
         store.dispose()
@@ -224,14 +224,14 @@ def test_a_failed_claim_hands_its_connection_back_out_of_autocommit(pg_url: str)
     store.ensure_schema()
     try:
         with pytest.raises(StoreError, match="too long"):
-            store.claim(request(key="k" * 300))  # past the column: PostgreSQL refuses it
+            store.keys.claim(request(key="k" * 300))  # past the column: PostgreSQL refuses it
         assert store.engine.pool.checkedin() == 1, "one connection, so the next one is it"
         pooled = store.engine.raw_connection()
         try:
             assert pooled.driver_connection.autocommit is False
         finally:
             pooled.close()
-        with store.connect() as connection:
+        with store.keys.connect() as connection:
             connection.execute(text("CREATE TEMP TABLE t (n int)"))
             connection.execute(text("INSERT INTO t VALUES (1)"))
             connection.rollback()
@@ -246,19 +246,19 @@ def test_the_hot_path_borrows_from_the_pool_while_its_connection_is_busy(pg_url:
     store = SqlStore(GuardConfig(store_url=pg_url))
     store.ensure_schema()
     try:
-        token = store.claim(request(key="first")).record.fencing_token  # opens the hot one
-        assert store._hot.try_acquire()  # what a concurrent claim in another thread holds
+        token = store.keys.claim(request(key="first")).record.fencing_token  # opens the hot one
+        assert store.db.hot.try_acquire()  # what a concurrent claim in another thread holds
         try:
-            assert store.claim(request(key="second")).outcome is ClaimOutcome.CLAIMED
+            assert store.keys.claim(request(key="second")).outcome is ClaimOutcome.CLAIMED
             with pytest.raises(StoreError, match="too long"):
-                store.claim(request(key="k" * 300))
+                store.keys.claim(request(key="k" * 300))
         finally:
-            store._hot.lock.release()
+            store.db.hot.lock.release()
         assert store.engine.pool.checkedout() == 0, "both borrowed connections went back"
-        with store.connect() as connection:
+        with store.keys.connect() as connection:
             assert connection.connection.driver_connection.autocommit is False
-        store.complete("first", token, "1", retention=60.0)  # the hot connection again
-        record = store.get("first")
+        store.keys.complete("first", token, "1", retention=60.0)  # the hot connection again
+        record = store.keys.get("first")
         assert record is not None and record.state == KeyState.COMPLETED.value
     finally:
         store.dispose()
@@ -270,7 +270,7 @@ def test_the_hot_connection_is_replaced_after_the_server_drops_it(pg_url: str) -
     store = SqlStore(GuardConfig(store_url=pg_url))
     store.ensure_schema()
     try:
-        store.claim(request(key="before"))
+        store.keys.claim(request(key="before"))
         with psycopg.connect(_dsn(pg_url), autocommit=True) as admin:
             killed = admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -278,8 +278,8 @@ def test_the_hot_connection_is_replaced_after_the_server_drops_it(pg_url: str) -
                 "AND pid <> pg_backend_pid()"
             ).fetchall()
         assert killed, "the store had a connection to terminate"
-        assert store.claim(request(key="after")).outcome is ClaimOutcome.CLAIMED
-        assert store.claim(request(key="after")).outcome is ClaimOutcome.IN_FLIGHT
+        assert store.keys.claim(request(key="after")).outcome is ClaimOutcome.CLAIMED
+        assert store.keys.claim(request(key="after")).outcome is ClaimOutcome.IN_FLIGHT
     finally:
         store.dispose()
 
@@ -289,14 +289,14 @@ def _dsn(url: str) -> str:
 
 
 def _claim_in_child(store: SqlStore, queue: Any) -> None:
-    claim = store.claim(request(key="child"))
-    store.complete("child", claim.record.fencing_token, '"from child"', retention=60.0)
+    claim = store.keys.claim(request(key="child"))
+    store.keys.complete("child", claim.record.fencing_token, '"from child"', retention=60.0)
     queue.put(claim.outcome.value)
 
 
 def test_a_forked_child_builds_its_own_engine(store: SqlStore) -> None:
     """An engine used before fork must not be shared: the child opens its own connections."""
-    store.claim(request(key="parent"))
+    store.keys.claim(request(key="parent"))
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_claim_in_child, args=(store, queue))
@@ -308,9 +308,9 @@ def test_a_forked_child_builds_its_own_engine(store: SqlStore) -> None:
         queue.close()
         queue.join_thread()
     assert child.exitcode == 0
-    record = store.get("child")
+    record = store.keys.get("child")
     assert record is not None and record.result == '"from child"'
-    assert store.claim(request(key="parent")).outcome is ClaimOutcome.IN_FLIGHT
+    assert store.keys.claim(request(key="parent")).outcome is ClaimOutcome.IN_FLIGHT
 
 
 @pytest.mark.parametrize("create_tables", [True, False])
@@ -324,9 +324,9 @@ def test_an_unreachable_store_fails_fast_without_leaking_the_password(
     seen: list[object] = []
     store.observer = lambda seconds, error: seen.append(error)
     calls = [
-        lambda: store.claim(request()),
-        lambda: store.complete("k", 1, "null", 60.0),
-        lambda: store.release("k", 1, None),
+        lambda: store.keys.claim(request()),
+        lambda: store.keys.complete("k", 1, "null", 60.0),
+        lambda: store.keys.release("k", 1, None),
     ]
     for call in calls:
         with pytest.raises(StoreUnavailable) as caught:
@@ -339,5 +339,5 @@ def test_an_unreachable_store_fails_fast_without_leaking_the_password(
 def test_missing_tables_name_the_fix(sqlite_url: str) -> None:
     store = SqlStore(GuardConfig(store_url=sqlite_url, create_tables=False))
     with pytest.raises(StoreError, match="guard migrate"):
-        store.claim(request())
+        store.keys.claim(request())
     store.dispose()

@@ -48,18 +48,18 @@ def test_a_lock_wait_past_the_store_timeout_is_reported_as_a_timeout(
     pg_store: tuple[SqlStore, Seen], pg_url: str
 ) -> None:
     store, seen = pg_store
-    store.claim(claim_request("before"))
+    store.keys.claim(claim_request("before"))
     assert len(seen) == 1 and seen[0][1] is None
     with psycopg.connect(pg_url.replace("+psycopg", "")) as locker:
         locker.execute("LOCK TABLE celery_guard_keys IN ACCESS EXCLUSIVE MODE")
         with pytest.raises(StoreUnavailable):
-            store.claim(claim_request("blocked"))
+            store.keys.claim(claim_request("blocked"))
         seconds, error = seen[-1]
         assert error is not None and is_timeout(error)
         assert 0.25 < seconds < 2
         store.now()  # another table: answers
         assert seen[-1][1] is None
-    store.claim(claim_request("after"))
+    store.keys.claim(claim_request("after"))
     assert seen[-1][1] is None
 
 

@@ -69,11 +69,11 @@ def test_claim_renew_and_read_fail_fast_on_a_silent_peer(
     proxied: tuple[SqlStore, FaultProxy],
 ) -> None:
     store, proxy = proxied
-    token = store.claim(request("silent")).record.fencing_token
+    token = store.keys.claim(request("silent")).record.fencing_token
     proxy.blackhole()  # the pooled connection stays open; nothing comes back
     for call in (
-        lambda: store.claim(request("other")),
-        lambda: store.renew_leases([("silent", token)], ttl=30.0),
+        lambda: store.keys.claim(request("other")),
+        lambda: store.keys.renew_leases([("silent", token)], ttl=30.0),
         store.now,
     ):
         error, _seconds = bounded(call)
@@ -81,22 +81,22 @@ def test_claim_renew_and_read_fail_fast_on_a_silent_peer(
     proxy.heal()
     # (The claim of "other" sent into the silence may land now, as a lost reply's would: its
     # lease then expires unrenewed, as after any claim whose answer never came.)
-    assert store.renew_leases([("silent", token)], ttl=30.0) == {"silent"}
-    assert store.claim(request("after")).outcome is ClaimOutcome.CLAIMED
+    assert store.keys.renew_leases([("silent", token)], ttl=30.0) == {"silent"}
+    assert store.keys.claim(request("after")).outcome is ClaimOutcome.CLAIMED
 
 
 def test_a_tasks_commit_fails_fast_on_a_silent_peer_and_writes_nothing(
     proxied: tuple[SqlStore, FaultProxy],
 ) -> None:
     store, proxy = proxied
-    token = store.claim(request("commit")).record.fencing_token
-    connection = store.connect()
+    token = store.keys.claim(request("commit")).record.fencing_token
+    connection = store.keys.connect()
     transaction = connection.begin()
     connection.execute(insert(shop_tables.effects).values(tag="silent-commit"))
-    store.complete("commit", token, "null", None, connection=connection)
+    store.keys.complete("commit", token, "null", None, connection=connection)
     proxy.blackhole()
     try:
-        error, _seconds = bounded(lambda: store.commit(transaction))
+        error, _seconds = bounded(lambda: store.keys.commit(transaction))
         assert isinstance(error, StoreUnavailable), error
     finally:
         connection.invalidate()
@@ -106,7 +106,7 @@ def test_a_tasks_commit_fails_fast_on_a_silent_peer_and_writes_nothing(
         rows = check.execute(
             select(shop_tables.effects).where(shop_tables.effects.c.tag == "silent-commit")
         ).all()
-    record = store.get("commit")
+    record = store.keys.get("commit")
     assert record is not None
     # The COMMIT was sent before the peer went silent, and the proxy, like TCP, may deliver it
     # once the path heals: "may or may not have landed", as the handler assumes. Either way the
@@ -118,4 +118,4 @@ def test_requests_are_unchanged_when_the_peer_answers(proxied: tuple[SqlStore, F
     """A slow but answering store (latency under the deadline) is not cut off."""
     store, proxy = proxied
     proxy.latency(upstream=0.3, downstream=0.3)
-    assert store.claim(request("slow")).outcome is ClaimOutcome.CLAIMED
+    assert store.keys.claim(request("slow")).outcome is ClaimOutcome.CLAIMED

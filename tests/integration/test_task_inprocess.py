@@ -169,7 +169,7 @@ def test_a_result_above_the_payload_bound_commits_nothing(sqlite_url: str) -> No
         with pytest.raises(ResultTooLarge, match=r"1025 bytes of JSON, more than .* \(1024\)"):
             big.delay(1023)
         assert row_count(bounded) == 1
-        record = runtime.store.get("big:1023")
+        record = runtime.store.keys.get("big:1023")
         assert record is not None and record.state == "DEAD"
     finally:
         runtime.store.dispose()

@@ -55,17 +55,17 @@ def prepare(store: SqlStore, key: str, start: str) -> int:
     """Leave ``key`` in the ``start`` state (claimed by fp-a); the row's token (0: no row)."""
     if start == "absent":
         return 0
-    token = store.claim(request(key, "fp-a", "setup/0", LONG_TTL)).record.fencing_token
+    token = store.keys.claim(request(key, "fp-a", "setup/0", LONG_TTL)).record.fencing_token
     if start == "released":
-        assert store.release(key, token, "setup")
+        assert store.keys.release(key, token, "setup")
     elif start == "lapsed":
-        assert store.expire_lease(key, token)
+        assert store.recovery.expire_lease(key, token)
     elif start == "result_expired":
-        store.complete(key, token, '"old"', retention=0.0)
+        store.keys.complete(key, token, '"old"', retention=0.0)
     elif start == "completed":
-        store.complete(key, token, '"done"', retention=None)
+        store.keys.complete(key, token, '"done"', retention=None)
     elif start == "dead":
-        store.dead_letter(
+        store.dead_letters.dead_letter(
             token,
             DeadLetter(
                 key=key,
@@ -112,12 +112,12 @@ def race(stores: list[SqlStore], key: str, racers: list[Racer], ttl: float) -> N
         try:
             start.wait(timeout=10)
             time.sleep(racer.delay)
-            racer.claim = store.claim(request(key, racer.fingerprint, f"r{n}/{n}", ttl))
+            racer.claim = store.keys.claim(request(key, racer.fingerprint, f"r{n}/{n}", ttl))
             finish.wait(timeout=10)
             if racer.claim.outcome is ClaimOutcome.CLAIMED:
                 racer.result = f'"racer {n}"'
                 try:
-                    store.complete(key, racer.claim.record.fencing_token, racer.result, None)
+                    store.keys.complete(key, racer.claim.record.fencing_token, racer.result, None)
                     racer.completed = True
                 except Fenced:
                     racer.completed = False
@@ -168,7 +168,7 @@ def test_racing_claims_have_one_owner_while_its_lease_lives(stores: list[SqlStor
         winners = [r for r in racers if r.claim and r.claim.outcome is ClaimOutcome.CLAIMED]
         eligible = [r for r in racers if r.fingerprint in STARTS[start]]
         assert len(winners) == (1 if eligible else 0), (start, [c.outcome for c in claims])
-        record = stores[0].get(key)
+        record = stores[0].keys.get(key)
         assert record is not None
         if winners:
             (winner,) = winners
@@ -216,7 +216,7 @@ def test_takeovers_during_a_race_each_get_a_newer_token_and_only_the_newest_comm
         newest = max(owners, key=lambda r: r.claim.record.fencing_token)  # type: ignore[union-attr]
         assert [r.completed for r in owners if r is not newest] == [False] * (len(owners) - 1)
         assert newest.completed is True
-        record = stores[0].get(key)
+        record = stores[0].keys.get(key)
         assert record is not None and record.state == "COMPLETED"
         assert record.fencing_token == tokens[-1]
         for racer in owners:

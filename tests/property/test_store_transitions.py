@@ -126,7 +126,7 @@ class StoreMachine(RuleBasedStateMachine):
         with engine.begin() as connection:
             for table in (keys, dead_letters, leaders, effects):
                 connection.execute(delete(table))
-        self.floor = self.store.token_floor()
+        self.floor = self.store.recovery.token_floor()
         self.prefix = uuid.uuid4().hex[:8]
         self.keys = [f"{self.prefix}:{name}" for name in KEY_NAMES]
         for key in self.keys:
@@ -177,7 +177,7 @@ class StoreMachine(RuleBasedStateMachine):
             lease_ttl=ttl,
             external_token=external,
         )
-        result = self.store.claim(request)
+        result = self.store.keys.claim(request)
         options = model.claim_options(
             row,
             fingerprint=fingerprint,
@@ -236,7 +236,7 @@ class StoreMachine(RuleBasedStateMachine):
         def racer(n: int) -> None:
             barrier.wait(timeout=10)
             try:
-                answers[n] = self.store.claim(
+                answers[n] = self.store.keys.claim(
                     ClaimRequest(
                         key=key,
                         task_name=TASK,
@@ -275,7 +275,7 @@ class StoreMachine(RuleBasedStateMachine):
             held = self.give(key, answers[winner].record.fencing_token, claimers[winner])
         else:
             held = self.lost(key, claimers[0])
-        self.rows[key] = self.pick(key, candidates, self.store.get(key))
+        self.rows[key] = self.pick(key, candidates, self.store.keys.get(key))
         return held
 
     def _sequential(
@@ -306,7 +306,7 @@ class StoreMachine(RuleBasedStateMachine):
         row = self.rows[held.key]
         result = f'{{"by": {held.serial}}}'
         try:
-            self.store.complete(held.key, held.token, result, retention)
+            self.store.keys.complete(held.key, held.token, result, retention)
         except Fenced:
             assert not model.owns(row, held.token), f"{held} owns {row} yet was fenced"
             assert not (row.state == COMPLETED and row.token == held.token)
@@ -331,16 +331,18 @@ class StoreMachine(RuleBasedStateMachine):
         """The body's write and the COMPLETED marker commit together, or neither does."""
         row = self.rows[held.key]
         result = f'{{"txn": {held.serial}}}'
-        with self.store.connect() as connection:
+        with self.store.keys.connect() as connection:
             transaction = connection.begin()
             connection.execute(insert(effects).values(key=held.key, token=held.token))
             try:
-                self.store.complete(held.key, held.token, result, retention, connection=connection)
+                self.store.keys.complete(
+                    held.key, held.token, result, retention, connection=connection
+                )
             except Fenced:
                 transaction.rollback()
                 assert not model.owns(row, held.token), f"{held} owns {row} yet was fenced"
                 return
-            self.store.commit(transaction)
+            self.store.keys.commit(transaction)
         assert model.owns(row, held.token), f"a stale {held} committed over {row}"
         self.effects[held.key].append(held.token)
         self.rows[held.key] = replace(
@@ -356,14 +358,14 @@ class StoreMachine(RuleBasedStateMachine):
     def release(self, held: Held) -> None:
         row = self.rows[held.key]
         error = f"released by {held.serial}"
-        released = self.store.release(held.key, held.token, error)
+        released = self.store.keys.release(held.key, held.token, error)
         assert released == model.owns(row, held.token), (held, row)
         if released:
             self.rows[held.key] = replace(row, state=RELEASED, lease=None, last_error=error)
 
     @rule(chosen=st.lists(held, min_size=1, max_size=4), ttl=TTLS)
     def renew(self, chosen: list[Held], ttl: float) -> None:
-        renewed = self.store.renew_leases([(h.key, h.token) for h in chosen], ttl)
+        renewed = self.store.keys.renew_leases([(h.key, h.token) for h in chosen], ttl)
         expected = {h.key for h in chosen if model.owns(self.rows[h.key], h.token)}
         assert renewed == expected, f"renewed {renewed}, only {expected} are owned"
         for key in expected:
@@ -373,7 +375,7 @@ class StoreMachine(RuleBasedStateMachine):
     def end_the_lease(self, held: Held) -> None:
         """``expire_lease``: the owner is known dead, its lease ends now."""
         row = self.rows[held.key]
-        ended = self.store.expire_lease(held.key, held.token)
+        ended = self.store.recovery.expire_lease(held.key, held.token)
         if not model.owns(row, held.token):
             assert not ended, f"a stale {held} ended the lease of {row}"
             return
@@ -397,7 +399,7 @@ class StoreMachine(RuleBasedStateMachine):
         )
         before = self.letter_count(held.key)
         try:
-            stored = self.store.dead_letter(held.token, letter)
+            stored = self.store.dead_letters.dead_letter(held.token, letter)
         except Fenced:
             assert not model.owns(row, held.token), f"{held} owns {row} yet was fenced"
             assert self.letter_count(held.key) == before, "a fenced dead letter was stored"
@@ -413,7 +415,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(letter_id=letters)
     def replay(self, letter_id: int) -> None:
         """``guard dlq replay``: revive the letter's key with fresh attempts (once)."""
-        revived = self.store.revive(letter_id)
+        revived = self.store.dead_letters.revive(letter_id)
         if letter_id not in self.dead:
             assert revived is None, f"replayed an unknown dead letter: {revived}"
             return
@@ -428,7 +430,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(letter_id=letters)
     def undo_replay(self, letter_id: int) -> None:
         """``unrevive``: a replay whose message could not be published is undone."""
-        self.store.unrevive(letter_id)
+        self.store.dead_letters.unrevive(letter_id)
         if letter_id not in self.dead:
             return
         key, _ = self.dead[letter_id]
@@ -460,14 +462,14 @@ class StoreMachine(RuleBasedStateMachine):
         """``guard key revive``: a DEAD key whose letter was purged becomes claimable."""
         key = self.key(index)
         row = self.rows[key]
-        assert self.store.revive_key(key) == (row.state == DEAD)
+        assert self.store.dead_letters.revive_key(key) == (row.state == DEAD)
         if row.state == DEAD:
             self.rows[key] = replace(row, state=RELEASED, attempts=0)
 
     def revoke_a_draining_worker(self, claimer: str) -> None:
         """A warm shutdown past its drain timeout moves its keys' tokens on and ends leases."""
         prefix = owner_of(claimer).split("/")[0] + "/"
-        revoked = sorted(self.store.revoke_owned(prefix))
+        revoked = sorted(self.store.recovery.revoke_owned(prefix))
         mine = {key for key in self.keys if self.rows[key].owner == owner_of(claimer)}
         expected = sorted(
             (key, self.rows[key].token) for key in mine if self.rows[key].state == RUNNING
@@ -480,8 +482,8 @@ class StoreMachine(RuleBasedStateMachine):
     def prune(self) -> None:
         """The reaper (or ``guard prune``) deletes COMPLETED rows past their retention."""
         before = {key: self.rows[key] for key in self.keys}
-        pruned = self.store.prune_completed(limit=100)
-        records = self.store.get_many(self.keys)
+        pruned = self.store.recovery.prune_completed(limit=100)
+        records = self.store.keys.get_many(self.keys)
         gone = []
         for key, row in before.items():
             if row.state == COMPLETED and key not in records:
@@ -497,7 +499,7 @@ class StoreMachine(RuleBasedStateMachine):
     def wait_for_the_database_clock(self) -> None:
         """Let every short lease and retention run out, by the database's clock (bounded)."""
         deadlines = []
-        records = self.store.get_many(self.keys)
+        records = self.store.keys.get_many(self.keys)
         for key, row in self.rows.items():
             record = records.get(key)
             if record is None:
@@ -529,10 +531,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     def would_commit(self, held: Held) -> bool:
         """Whether ``held``'s completion would be accepted (tried, then rolled back)."""
-        with self.store.connect() as connection:
+        with self.store.keys.connect() as connection:
             transaction = connection.begin()
             try:
-                self.store.complete(held.key, held.token, "null", None, connection=connection)
+                self.store.keys.complete(held.key, held.token, "null", None, connection=connection)
             except Fenced:
                 return False
             finally:
@@ -576,7 +578,7 @@ class StoreMachine(RuleBasedStateMachine):
     def rows_match_the_model_and_move_only_forward(self) -> None:
         if not hasattr(self, "keys"):
             return
-        records = self.store.get_many(self.keys)
+        records = self.store.keys.get_many(self.keys)
         now = self.store.now()
         for key in self.keys:
             record = records.get(key)

@@ -1,0 +1,531 @@
+"""What every part of the SQL store shares: the per-process engine and how a call is run.
+
+One engine per process, created on first use after fork (a pooled connection shared across a
+prefork fork loses writes). The guard's own single statements run in autocommit on PostgreSQL so
+that a claim is exactly one round trip; on SQLite every transaction starts ``BEGIN IMMEDIATE`` so a
+writer waits for the lock (``busy_timeout``) instead of failing on a read-to-write upgrade.
+
+Every call goes through :meth:`StoreEngine.call`: driver errors become ``StoreError`` /
+``StoreUnavailable`` (:func:`wrap_error`), a dropped connection is retried once, and the
+observer (the circuit breaker's counts) is told how the call went. The table modules beside
+this one (``keys``, ``dead_letters``, ``recovery``, ``publishes``, ``workers``) hold the
+statements; this module holds none of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+from sqlalchemy import Connection, Engine, RootTransaction, create_engine, event, select
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+
+from celery_guard.config import GuardConfig
+from celery_guard.errors import StoreError, StoreUnavailable
+from celery_guard.store.schema import db_epoch_now, metadata
+from celery_guard.store.watchdog import CallWatchdog
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Told about every store call: (seconds it took, the StoreError it ended with or ``None``).
+StoreObserver = Callable[[float, StoreError | None], None]
+
+#: Execution option: this SQLite transaction only reads, so it need not wait for the write lock.
+SQLITE_READ_ONLY = "celery_guard_read_only"
+
+#: Execution option naming the callable ``Keys.connect`` was given as ``on_boundary``.
+BOUNDARY_HOOK = "celery_guard_on_boundary"
+
+#: Rows as dicts, and the rowcount: what one statement answers.
+Rows = tuple[list[dict[str, Any]], int]
+
+
+class StoreEngine:
+    """This process's engine on PostgreSQL or SQLite, and the one way store calls are run."""
+
+    #: Told the outcome and latency of every call (the circuit breaker's counts); ``None``: none.
+    observer: StoreObserver | None = None
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._engine_pid: int | None = None
+        self._schema_ready = False
+        #: PostgreSQL: this process's connection for the per-delivery statements (see hot()).
+        self.hot = HotConnection()
+        self.dialect_name = make_url(config.store_url).get_backend_name()
+        self._observing = threading.local()  # a call inside a call is not counted twice
+        #: id(statement) -> (statement, driver SQL, fixed parameters); statements are built once.
+        self._compiled_cache: dict[int, tuple[Any, str, dict[str, Any]]] = {}
+        self._names_cache: dict[int, list[str]] = {}
+        #: PostgreSQL: closes a call's connection when the server never answers (watchdog.py).
+        self.watchdog = CallWatchdog(config.store_timeout + max(1.0, config.store_timeout / 2))
+
+    # -- engine lifecycle ---------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine; a forked child builds its own instead of reusing the parent's."""
+        pid = os.getpid()
+        engine = self._engine
+        if engine is not None and self._engine_pid == pid:
+            return engine
+        with self._lock:
+            if self._engine is not None and self._engine_pid != pid:
+                # Inherited across fork: drop the parent's pool without closing its sockets,
+                # which the parent still uses (SQLAlchemy "Using Connection Pools with
+                # Multiprocessing").
+                self._engine.dispose(close=False)
+                self._engine = None
+                self._schema_ready = False
+            if self._engine is None:
+                self._engine = self._create_engine()
+                self._engine_pid = pid
+            return self._engine
+
+    def reset_after_fork(self) -> None:
+        """Forget the parent's engine; called from ``worker_process_init``."""
+        with self._lock:
+            self.hot.forget()
+            if self._engine is not None and self._engine_pid != os.getpid():
+                self._engine.dispose(close=False)
+                self._engine = None
+                self._schema_ready = False
+
+    def dispose(self) -> None:
+        """Close this process's connections (before a fork, or at shutdown)."""
+        with self._lock:
+            self.hot.close()
+            if self._engine is not None and self._engine_pid == os.getpid():
+                self._engine.dispose()
+            self._engine = None
+            self._schema_ready = False
+
+    def _create_engine(self) -> Engine:
+        timeout = self.config.store_timeout
+        url = make_url(self.config.store_url)
+        if self.dialect_name == "sqlite":
+            engine = create_engine(url, connect_args={"timeout": timeout}, pool_timeout=timeout)
+            _configure_sqlite(engine, timeout)
+            _report_boundaries(engine)
+            return engine
+        millis = max(1, int(timeout * 1000))
+        connect_args: dict[str, Any] = {
+            # libpq rounds connect_timeout below 2 up to 2 seconds.
+            "connect_timeout": max(2, int(timeout + 0.999)),
+            # Bounds a statement stuck on the server (statement_timeout), a lock wait
+            # (lock_timeout), and a peer that vanished mid-statement (tcp_user_timeout).
+            "options": f"-c statement_timeout={millis} -c lock_timeout={millis}",
+            "keepalives": 1,
+            "keepalives_idle": max(1, int(timeout)),
+            "keepalives_interval": 1,
+            "keepalives_count": 3,
+            "tcp_user_timeout": millis,
+            "application_name": "celery_guard",
+        }
+        engine = create_engine(url, connect_args=connect_args, pool_timeout=timeout)
+        self.watchdog.install(engine)
+        _report_boundaries(engine)
+        return engine
+
+    def ensure_schema(self) -> None:
+        """Create the tables if they are missing (when ``guard_create_tables`` is on)."""
+        if self._schema_ready:
+            return
+        try:
+            self.call(lambda: metadata.create_all(self.engine, checkfirst=True))
+        except StoreError:
+            # Several processes starting at once race between "does it exist?" and CREATE;
+            # the loser's CREATE fails on the winner's table. Look again: it is there now.
+            self.call(lambda: metadata.create_all(self.engine, checkfirst=True))
+        self._schema_ready = True
+
+    def ready_engine(self) -> Engine:
+        """The engine, with the tables created first when ``guard_create_tables`` is on."""
+        engine = self.engine
+        if self.config.create_tables and not self._schema_ready:
+            self.ensure_schema()
+        return engine
+
+    def now(self) -> float:
+        """The database's clock, in epoch seconds."""
+        rows = self.call(
+            lambda: self.execute_single(select(db_epoch_now().label("now")), read_only=True)
+        )[0]
+        return float(only_row(rows)["now"])
+
+    def upsert(self, table: Any) -> Any:
+        """The dialect's INSERT with ON CONFLICT support, for ``table``."""
+        return upsert(self.dialect_name, table)
+
+    # -- running statements -------------------------------------------------------------------
+
+    def execute_single(
+        self, statement: Any, parameters: dict[str, Any] | None = None, read_only: bool = False
+    ) -> Rows:
+        """Run one statement as its own transaction, in as few round trips as the dialect allows.
+
+        Returns the rows (as dicts) and the rowcount, read before the connection is returned.
+        """
+        engine = self.ready_engine()
+        if self.dialect_name == "postgresql":
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+                return _read(connection.execute(statement, parameters))
+        options = {SQLITE_READ_ONLY: read_only}
+        with engine.connect().execution_options(**options) as connection, connection.begin():
+            return _read(connection.execute(statement, parameters))
+
+    def execute_hot(self, statement: Any, parameters: dict[str, Any]) -> Rows:
+        """The per-delivery statements (claim, complete, release): one autocommitted round trip.
+
+        On PostgreSQL they skip SQLAlchemy's per-execution work (compiling the cache key,
+        building result metadata for 20-odd columns, switching the connection to autocommit
+        and back through the dialect): the SQL is compiled once per statement and runs on a
+        psycopg connection kept in autocommit for them (one per process, :class:`HotConnection`),
+        which psycopg prepares server-side after a few executions. The pool's checkout, reset
+        and checkin and the autocommit switches were a third of what remained of celery_guard's
+        own CPU per task (bench/overhead.py). Errors are re-raised as SQLAlchemy's, so
+        :meth:`call` treats both paths alike.
+        """
+        if self.dialect_name != "postgresql":
+            return self.execute_single(statement, parameters)
+        engine = self.ready_engine()
+        sql, defaults = self._compiled(engine, statement)
+        values = {**defaults, **parameters}
+        hot = self.hot
+        if hot.try_acquire():
+            try:
+                return self._run_hot(engine, hot.connection(engine), statement, sql, values)
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated:
+                    hot.drop()
+                raise
+            finally:
+                hot.lock.release()
+        # Another thread of this process (a thread or gevent pool) holds the hot connection:
+        # borrow one from the pool for this statement, and give it back as it was lent.
+        pooled = _raw_connection(engine)
+        try:
+            connection: Any = pooled.driver_connection
+            connection.autocommit = True
+            try:
+                return self._run_hot(engine, connection, statement, sql, values)
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated:
+                    pooled.invalidate(exc.orig)
+                raise
+            finally:
+                # Left in autocommit, a task's own transaction() on it would commit each write.
+                if not connection.closed:
+                    try:
+                        connection.autocommit = False
+                    except psycopg.Error as exc:
+                        pooled.invalidate(exc)
+        finally:
+            pooled.close()
+
+    def execute_in_transaction(
+        self, connection: Connection, statement: Any, parameters: dict[str, Any]
+    ) -> int:
+        """The completion marker inside a task's open transaction; returns the rowcount.
+
+        Run on the driver connection under SQLAlchemy's transaction, like :meth:`execute_hot`
+        (SQLAlchemy's own execute was most of the marker's client cost). Never resent: after a
+        lost connection the transaction is gone, and the delivery is deferred instead.
+        """
+        engine = connection.engine
+        sql, defaults = self._compiled(engine, statement)
+        values = {**defaults, **parameters}
+        try:
+            return self._run_hot(
+                engine, connection.connection.dbapi_connection, statement, sql, values
+            )[1]
+        except sa_exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                connection.invalidate(exc.orig)
+            raise wrap_error(exc, self.config) from exc
+
+    def commit(self, transaction: RootTransaction) -> None:
+        """Commit a task's transaction under the watchdog; failures are store errors (never
+        resent: a commit is not idempotent)."""
+
+        def commit() -> None:
+            try:
+                with self.watchdog.watching(_dbapi_connection(transaction)):
+                    transaction.commit()
+            except sa_exc.DBAPIError as exc:
+                raise wrap_error(exc, self.config) from exc
+
+        self.observed(commit)
+
+    def _run_hot(
+        self, engine: Engine, connection: Any, statement: Any, sql: str, values: dict[str, Any]
+    ) -> Rows:
+        """One statement on a psycopg connection (autocommit, or inside a task's transaction);
+        driver errors re-raised as SQLAlchemy's, flagged when the connection is gone."""
+        try:
+            with connection.cursor() as cursor, self.watchdog.watching(connection):
+                cursor.execute(sql, values)
+                rows: list[dict[str, Any]] = []
+                names = self._column_names(statement, cursor)
+                if names is not None:
+                    rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+                return rows, int(cursor.rowcount)
+        except psycopg.Error as exc:
+            error: Any = exc
+            raise sa_exc.DBAPIError.instance(
+                sql,
+                values,
+                exc,
+                psycopg.Error,
+                connection_invalidated=engine.dialect.is_disconnect(error, connection, None),
+                dialect=engine.dialect,
+            ) from exc
+
+    def _column_names(self, statement: Any, cursor: Any) -> list[str] | None:
+        """The result's column names, read once per statement: psycopg builds a Column object
+        per column on every ``description`` access (21 of them for the claim's RETURNING)."""
+        result = cursor.pgresult
+        if result is None or result.nfields == 0:
+            return None
+        names = self._names_cache.get(id(statement))
+        if names is None or len(names) != result.nfields:
+            names = [column.name for column in cursor.description]
+            self._names_cache[id(statement)] = names
+        return names
+
+    def _compiled(self, engine: Engine, statement: Any) -> tuple[str, dict[str, Any]]:
+        """``statement`` as the driver's SQL and its fixed parameters, compiled once."""
+        cached = self._compiled_cache.get(id(statement))
+        if cached is None or cached[0] is not statement:
+            compiled = statement.compile(dialect=engine.dialect)
+            # The statement's own values (``last_error=None``...); a call's parameters win.
+            defaults = dict(compiled.construct_params(_check=False))
+            cached = (statement, compiled.string, defaults)
+            self._compiled_cache[id(statement)] = cached
+        return cached[1], cached[2]
+
+    # -- the call wrappers --------------------------------------------------------------------
+
+    def call(self, operation: Callable[[], T]) -> T:
+        """Run a store operation, once more after a dropped connection; wrap driver errors."""
+        return self.observed(lambda: self._call_unobserved(operation))
+
+    def observed(self, operation: Callable[[], T]) -> T:
+        """Run ``operation``, telling :attr:`observer` (if any) how it went and how long it took.
+
+        A store error is a failure; any other exception (Fenced: the store answered) is not
+        counted at all. Calls made inside it (creating the tables on first use) are part of it.
+        """
+        observer = self.observer
+        if observer is None or getattr(self._observing, "active", False):
+            return operation()
+        started = time.monotonic()
+        self._observing.active = True
+        try:
+            value = operation()
+        except StoreError as exc:
+            _tell(observer, time.monotonic() - started, exc)
+            raise
+        finally:
+            self._observing.active = False
+        _tell(observer, time.monotonic() - started, None)
+        return value
+
+    def _call_unobserved(self, operation: Callable[[], T]) -> T:
+        for attempt in (1, 2):
+            try:
+                return operation()
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated and attempt == 1:
+                    # The pool has dropped the dead connection; a fresh one may work (a restarted
+                    # server). Every primitive here is safe to send twice.
+                    logger.info("celery_guard: store connection lost, retrying once")
+                    continue
+                raise wrap_error(exc, self.config) from exc
+            except sa_exc.TimeoutError as exc:
+                raise StoreUnavailable(
+                    f"no store connection free within {self.config.store_timeout}s "
+                    f"({self.config.safe_store_url()})"
+                ) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _dbapi_connection(transaction: RootTransaction) -> Any:
+    """The driver's connection under ``transaction``, or None when there is none to watch."""
+    try:
+        return transaction.connection.connection.dbapi_connection
+    except sa_exc.SQLAlchemyError:
+        return None
+
+
+def _tell(observer: StoreObserver, seconds: float, error: StoreError | None) -> None:
+    """Counting a call must never change its outcome."""
+    try:
+        observer(seconds, error)
+    except Exception:
+        logger.exception("celery_guard: the store call observer failed")
+
+
+def upsert(dialect_name: str, table: Any) -> Any:
+    """The dialect's INSERT with ON CONFLICT support."""
+    return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(table)
+
+
+def _read(result: Any) -> Rows:
+    rows = [dict(row) for row in result.mappings()] if result.returns_rows else []
+    return rows, int(result.rowcount)
+
+
+def only_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one row a statement must answer with; a ``StoreError`` otherwise."""
+    if len(rows) != 1:
+        raise StoreError(f"expected one row from the store, got {len(rows)}")
+    return rows[0]
+
+
+def wrap_error(exc: sa_exc.DBAPIError, config: GuardConfig) -> StoreError:
+    """A driver error as celery_guard's: missing tables say what to run, an unreachable server
+    is ``StoreUnavailable``; the message names the store without its password."""
+    where = config.safe_store_url()
+    text = str(exc.orig) if exc.orig is not None else str(exc)
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "no such table" in text or "UndefinedTable" in type(exc.orig).__name__:
+        return StoreError(
+            f"celery_guard tables are missing in {where}: run `celery -A <app> guard migrate` "
+            f"or set guard_create_tables = True ({first_line})"
+        )
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+        return StoreUnavailable(f"store {where} unavailable: {first_line}")
+    return StoreError(f"store {where} error: {first_line}")
+
+
+def _report_boundaries(engine: Engine) -> None:
+    """Tell a connection's ``on_boundary`` hook before a transaction on it ends.
+
+    Engine-wide listeners that look the hook up on the connection (instead of listeners added
+    per connection): adding and removing a listener costs more than one dictionary lookup per
+    commit. SQLAlchemy calls ``commit``/``rollback`` listeners before it sends COMMIT/ROLLBACK,
+    and an exception raised there propagates to the caller with nothing sent (ConnectionEvents,
+    sqlalchemy/engine/base.py ``_commit_impl``/``_rollback_impl``).
+    """
+
+    def on_commit(connection: Connection) -> None:
+        hook = connection.get_execution_options().get(BOUNDARY_HOOK)
+        if hook is not None:
+            hook("commit")
+
+    def on_rollback(connection: Connection) -> None:
+        hook = connection.get_execution_options().get(BOUNDARY_HOOK)
+        if hook is not None:
+            hook("rollback")
+
+    event.listen(engine, "commit", on_commit)
+    event.listen(engine, "rollback", on_rollback)
+
+
+def _configure_sqlite(engine: Engine, timeout: float) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Driver-level autocommit: SQLAlchemy's "begin" event below issues BEGIN itself.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={max(1, int(timeout * 1000))}")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        # IMMEDIATE takes the write lock up front, so the busy timeout applies; a deferred
+        # transaction that upgrades from read to write fails at once with SQLITE_BUSY.
+        read_only = connection.get_execution_options().get(SQLITE_READ_ONLY, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+def _raw_connection(engine: Engine) -> Any:
+    """A pooled DBAPI connection; a refused connect raised as SQLAlchemy's DBAPIError."""
+    try:
+        return engine.raw_connection()
+    except psycopg.Error as exc:
+        # The pool's own connect: SQLAlchemy wraps this only on its Connection path.
+        raise sa_exc.DBAPIError.instance(
+            None, None, exc, psycopg.Error, dialect=engine.dialect
+        ) from exc
+
+
+class HotConnection:
+    """One PostgreSQL connection per process, kept in autocommit for claim, complete, release.
+
+    It is checked out of the engine's pool once and detached from it, so it does not count
+    against ``pool_size`` (a task's own ``transaction()`` still borrows from the pool) and is
+    not reset on every statement. A thread that finds it busy uses the pool instead, so a
+    threaded or gevent pool never holds more than one extra connection per process. A forked
+    child forgets its parent's without closing it: psycopg does not end a connection from a
+    process other than the one that opened it.
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self.lock = threading.Lock()
+        self._connection: Any = None
+
+    def try_acquire(self) -> bool:
+        """Take the hot connection for one statement; False while another thread has it."""
+        if self._pid != os.getpid():
+            self.forget()
+        return self.lock.acquire(blocking=False)
+
+    def connection(self, engine: Engine) -> Any:
+        """This process's hot psycopg connection (after :meth:`try_acquire`)."""
+        connection = self._connection
+        if connection is None or connection.closed:
+            pooled = _raw_connection(engine)
+            try:
+                connection = pooled.dbapi_connection
+                pooled.detach()  # from now on ours to close, outside the pool's count
+            except BaseException:
+                pooled.close()
+                raise
+            try:
+                connection.autocommit = True
+            except BaseException:
+                connection.close()
+                raise
+            self._connection = connection
+        return connection
+
+    def drop(self) -> None:
+        """Close and forget the connection (it failed); the next call opens a new one."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+    def forget(self) -> None:
+        """After fork: the parent's connection (and a lock it may have held) are not ours."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self.lock = threading.Lock()
+            self._connection = None
+
+    def close(self) -> None:
+        """Close this process's hot connection (dispose)."""
+        if self._pid != os.getpid():
+            self.forget()
+            return
+        with self.lock:
+            self.drop()
