@@ -31,11 +31,10 @@ from typing import Any, Final
 from celery import signals
 from celery._state import get_current_task
 
-from celery_guard import messages, serialization
+from celery_guard import messages, redis_queues, serialization
 from celery_guard.errors import StoreError
 from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE, KeySource, resolve_key
 from celery_guard.messages import PUBLISHED_AT_HEADER
-from celery_guard.sampling import redis_oldest_stamps
 from celery_guard.store.base import PublishRecord
 from celery_guard.store.sql import SqlStore
 
@@ -370,7 +369,10 @@ class QueueProbe:
             return None
         for queue in queues:
             if queue not in self._oldest:
-                self._oldest[queue] = redis_oldest_stamps(channel, queue) or []
+                lists = redis_queues.channel_lists(channel, queue)
+                self._oldest[queue] = (
+                    [] if lists is None else redis_queues.oldest_stamps(channel.client, lists)
+                )
             for oldest in self._oldest[queue]:
                 if oldest is None:
                     return None

@@ -27,7 +27,7 @@ import celery_guard
 from celery_guard import GuardConfig
 from celery_guard.config import CONFIG_PREFIX
 from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE
-from celery_guard.sampling import PUBLISHED_AT_HEADER
+from celery_guard.messages import PUBLISHED_AT_HEADER
 from celery_guard.store import SqlStore
 from tests.acceptance.conftest import ROOT
 from tests.rig.servers import PostgresServer, RedisServer
