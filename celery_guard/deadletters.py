@@ -13,7 +13,7 @@ from kombu.entity import Exchange, Queue
 
 from celery_guard import serialization
 from celery_guard.errors import StoreError
-from celery_guard.republish import republish
+from celery_guard.messages import from_kombu_message, republish
 from celery_guard.store.base import DeadLetter, DeadLetterStore
 
 logger = logging.getLogger("celery_guard.deadletters")
@@ -79,7 +79,7 @@ class DeadLetterSink:
             key=task_id,
             task_name=name,
             task_id=task_id,
-            message=_message_of(name, task_id, message),
+            message=from_kombu_message(name, task_id, message),
             error_class="permanent",
             error_type="NotRegistered",
             error=f"task {name!r} is not registered in this worker",
@@ -142,45 +142,3 @@ class DeadLetterSink:
             self.store.unrevive(letter_id)
             raise
         return "replayed", revived
-
-
-#: Message headers a replay must carry (``celery_guard.task``'s key headers).
-_KEY_HEADERS = ("guard_idempotency_key", "guard_key_source")
-
-
-def storable_json(value: Any) -> str | None:
-    """Canonical JSON of ``value`` if every database can store it, else ``None``."""
-    try:
-        text = serialization.dumps(value, canonical=True)
-        text.encode("utf-8")  # lone surrogates pass json.dumps, no database takes them
-    except (TypeError, ValueError):
-        return None
-    return text
-
-
-def _message_of(name: str, task_id: str, message: Any) -> str | None:
-    """The re-publishable JSON of a raw kombu message (task protocol 2 or 1), or ``None``."""
-    try:
-        body = message.decode()
-        headers = dict(message.headers or {})
-        delivery = dict(message.delivery_info or {})
-    except Exception:
-        return None
-    if isinstance(body, (list, tuple)) and len(body) >= 2:
-        args, kwargs = body[0], body[1]
-    elif isinstance(body, dict):
-        args, kwargs = body.get("args"), body.get("kwargs")
-    else:
-        return None
-    return storable_json(
-        {
-            "task": name,
-            "id": task_id,
-            "args": list(args or ()),
-            "kwargs": dict(kwargs or {}),
-            "headers": {k: headers[k] for k in _KEY_HEADERS if headers.get(k) is not None},
-            "exchange": delivery.get("exchange"),
-            "routing_key": delivery.get("routing_key"),
-            "priority": delivery.get("priority"),
-        }
-    )

@@ -13,10 +13,9 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from celery_guard import serialization, signals
-from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import (
     DeadLettered,
     Fenced,
@@ -107,6 +106,15 @@ class DeliveryDeferred(GuardError):
 Body = Callable[[Execution], Any]
 
 
+class DeadLetterWriter(Protocol):
+    """Where the handler sends a key's dead letter (``celery_guard.deadletters``' sink): kept
+    behind this protocol so the Celery-free core never loads the broker-facing parts."""
+
+    def send(self, token: int, letter: DeadLetter) -> DeadLetter:
+        """Mark the key DEAD and record ``letter`` (token-checked); return the stored letter."""
+        ...
+
+
 def _failed_task_id(delivery: Delivery, message: str | None) -> str | None:
     """The task id of the delivery that dead-lettered a key: it claimed last, so its message
     is the one stored with the key (and a task-id key is that id)."""
@@ -137,7 +145,7 @@ class GuardHandler:
         heartbeat: Heartbeat,
         *,
         lease_ttl: float,
-        dead_letters: DeadLetterSink | None = None,
+        dead_letters: DeadLetterWriter | None = None,
         backoff_base: float = 1.0,
         backoff_max: float = 60.0,
         control_flow: tuple[type[BaseException], ...] = (),
@@ -489,8 +497,7 @@ class GuardHandler:
 
     def _lease_lost(self, lease: Lease) -> None:
         self.states.execution_fenced(lease.key, lease.token)
-        if self.heartbeat.observer is not None:
-            self.heartbeat.observer.lease_lost(lease.fenced_cause or "expired")
+        signals.lease_lost.send(None, cause=lease.fenced_cause or "expired")
 
     def _release_lease(self, key: str, handle: int | None) -> None:
         """Best effort: a lease that is not released expires on its own."""

@@ -15,26 +15,25 @@ from celery.app import utils as celery_app_utils
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guard import metrics
+from celery_guard.bootsteps import CircuitStep, GuardStep
 from celery_guard.circuit import Circuit
-from celery_guard.circuit.monitor import CircuitStep
 from celery_guard.config import GuardConfig
 from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.handler import GuardHandler
-from celery_guard.keys import HEADER_KEY
+from celery_guard.keys import HEADER_KEY, key_from_option
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.lease.liveness import ProcessLiveness
-from celery_guard.outbox import PublishTracker, connect_tracking, preset_stamp
+from celery_guard.messages import PUBLISHED_AT_HEADER, preset_stamp
+from celery_guard.outbox import PublishTracker, connect_tracking
 from celery_guard.reaper import Reaper
-from celery_guard.sampling import PUBLISHED_AT_HEADER
+from celery_guard.runtime import find_runtime, set_runtime
 from celery_guard.store.sql import SqlStore
-from celery_guard.worker import GuardStep
+from celery_guard.task import GuardedTask, TaskRuntime
 from celery_guard.worker_state import StateTracker
 
 logger = logging.getLogger("celery_guard")
-
-_RUNTIME_ATTRIBUTE = "_celery_guard_runtime"
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,6 @@ class GuardRuntime:
         self._parts: _Parts | None = None
         self._lock = threading.Lock()
         self.states = StateTracker()
-        self.states.on_change = metrics.record_executions
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None
 
@@ -91,9 +89,7 @@ class GuardRuntime:
             if config.lease_url is None
             else RedisLeases(config.lease_url, timeout=config.store_timeout)
         )
-        heartbeat = Heartbeat(
-            leases, interval=config.renew_interval, observer=metrics.LeaseMetrics()
-        )
+        heartbeat = Heartbeat(leases, interval=config.renew_interval)
         dead_letters = DeadLetterSink(app, store.dead_letters, config.dead_letter_queue)
         handler = GuardHandler(
             store.keys,
@@ -113,7 +109,13 @@ class GuardRuntime:
             max_payload_bytes=config.max_payload_bytes,
         )
         tracker = (
-            PublishTracker(app, store.publishes, max_payload_bytes=config.max_payload_bytes)
+            PublishTracker(
+                app,
+                store.publishes,
+                max_payload_bytes=config.max_payload_bytes,
+                is_guarded=_is_guarded,
+                key_for=_key_for,
+            )
             if config.track_publishes
             else None
         )
@@ -183,11 +185,11 @@ def install(app: Celery) -> GuardRuntime:
     publish, at the first task call. It does not touch the network or read the settings.
     Calling it again returns the runtime already installed.
     """
-    existing = getattr(app, _RUNTIME_ATTRIBUTE, None)
+    existing = find_runtime(app)
     if isinstance(existing, GuardRuntime):
         return existing
     runtime = GuardRuntime(app)
-    setattr(app, _RUNTIME_ATTRIBUTE, runtime)
+    set_runtime(app, runtime)
     _mask_in_celery_views()
     metrics.connect_signals()
     signals.before_task_publish.connect(
@@ -237,13 +239,31 @@ def _mask_in_celery_views() -> None:
 
 def get_runtime(app: Celery) -> GuardRuntime:
     """The runtime :func:`install` attached to ``app``; a clear error when it was not called."""
-    runtime = getattr(app, _RUNTIME_ATTRIBUTE, None)
+    runtime = find_runtime(app)
     if not isinstance(runtime, GuardRuntime):
         raise ConfigurationError(
             f"celery_guard.install(app) was not called for the Celery app {app.main!r}; "
             "guarded tasks need it"
         )
     return runtime
+
+
+def _serves_tasks(runtime: GuardRuntime) -> TaskRuntime:
+    """Never called: mypy checks here that a GuardRuntime is what GuardedTask expects."""
+    return runtime
+
+
+def _is_guarded(task: Any) -> bool:
+    """Publish tracking records the publishes of GuardedTask's tasks only."""
+    return isinstance(task, GuardedTask)
+
+
+def _key_for(task: Any, args: Any, kwargs: Any) -> str | None:
+    """The key a guarded task's ``idempotency_key`` option gives a call, as its worker will
+    compute it (``GuardedTask.apply_async`` does the same); ``None`` without a key option."""
+    return key_from_option(
+        task.idempotency_key, task_name=task.name, fun=task.run, args=args, kwargs=kwargs
+    )
 
 
 def _stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None:

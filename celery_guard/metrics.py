@@ -45,6 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from celery_guard import signals
+from celery_guard.worker_state import WorkerState
 
 logger = logging.getLogger("celery_guard.metrics")
 
@@ -438,7 +439,7 @@ def live_execution_counts() -> tuple[int, int] | None:
     )
 
 
-# -- recording (subscribers of celery_guard's signals and observers of its parts) ---------------
+# -- recording (receivers of celery_guard's signals; nothing else feeds the metrics) -------------
 
 
 def _task_name(sender: Any) -> str:
@@ -475,47 +476,53 @@ def record_claim(sender: Any = None, reason: str | None = None, **extra: Any) ->
         metrics["celery_guard_queue_lag_seconds"].labels(task=task).observe(lag)
 
 
-def record_executions(running: int, fenced: int) -> None:
-    """:class:`~celery_guard.worker_state.StateTracker` change hook."""
+def record_executions(running: int = 0, fenced: int = 0, **_: Any) -> None:
+    """``celery_guard.signals.executions_changed`` receiver."""
     metrics = process_metrics()
     metrics["celery_guard_executions_running"].set(running)
     metrics["celery_guard_executions_fenced"].set(fenced)
 
 
-def record_store_call(ok: bool, timed_out: bool = False) -> None:
-    """One store call made for a delivery (the circuit breaker's input, too)."""
+def record_store_call(ok: bool = True, timed_out: bool = False, **_: Any) -> None:
+    """``celery_guard.signals.store_call`` receiver: one store call made for a delivery."""
     result = "ok" if ok else ("timeout" if timed_out else "error")
     process_metrics()["celery_guard_store_calls"].labels(result=result).inc()
 
 
-class LeaseMetrics:
-    """The heartbeat's observer (:class:`~celery_guard.lease.heartbeat.LeaseObserver`)."""
+def record_renewal_failed(reason: str = "", **_: Any) -> None:
+    """``celery_guard.signals.lease_renewal_failed`` receiver."""
+    process_metrics()["celery_guard_lease_renewal_failures"].labels(reason=reason).inc()
 
-    def renewal_failed(self, reason: str) -> None:
-        process_metrics()["celery_guard_lease_renewal_failures"].labels(reason=reason).inc()
 
-    def lease_lost(self, cause: str) -> None:
-        process_metrics()["celery_guard_lease_expirations"].labels(reason=cause).inc()
+def record_lease_lost(cause: str = "", **_: Any) -> None:
+    """``celery_guard.signals.lease_lost`` receiver."""
+    process_metrics()["celery_guard_lease_expirations"].labels(reason=cause).inc()
 
-    def renewed(self, gap: float) -> None:
-        process_metrics()["celery_guard_heartbeat_gap_seconds"].observe(gap)
 
-    def round_done(self, oldest_lease_age: float, oldest_progress_age: float) -> None:
-        metrics = process_metrics()
-        metrics["celery_guard_lease_age_seconds"].set(oldest_lease_age)
-        metrics["celery_guard_lease_progress_age_seconds"].set(oldest_progress_age)
+def record_renewed(gap: float = 0.0, **_: Any) -> None:
+    """``celery_guard.signals.lease_renewed`` receiver."""
+    process_metrics()["celery_guard_heartbeat_gap_seconds"].observe(gap)
+
+
+def record_heartbeat_round(
+    oldest_lease_age: float = 0.0, oldest_progress_age: float = 0.0, **_: Any
+) -> None:
+    """``celery_guard.signals.heartbeat_round`` receiver."""
+    metrics = process_metrics()
+    metrics["celery_guard_lease_age_seconds"].set(oldest_lease_age)
+    metrics["celery_guard_lease_progress_age_seconds"].set(oldest_progress_age)
 
 
 def record_reaper_pass(
-    recovered_for: list[float],
-    dead_owners: int,
-    *,
+    recovered_for: list[float] | None = None,
+    dead_owners: int = 0,
     unclaimed_republished: int = 0,
     unclaimed_abandoned: int = 0,
+    **_: Any,
 ) -> None:
-    """What one reaper pass did (worker's main process)."""
+    """``celery_guard.signals.reaper_pass`` receiver (worker's main process)."""
     metrics = process_metrics()
-    for seconds in recovered_for:
+    for seconds in recovered_for or ():
         metrics["celery_guard_orphans_recovered"].inc()
         metrics["celery_guard_orphan_recovery_seconds"].observe(seconds)
     if dead_owners:
@@ -545,10 +552,24 @@ def declare_series() -> None:
         metrics["celery_guard_store_calls"].labels(result=result)
 
 
+#: Every signal the metrics subscribe to, with its receiver: the only way they are fed.
+_RECEIVERS: Final = (
+    (signals.outcome, record_outcome),
+    (signals.claimed, record_claim),
+    (signals.store_call, record_store_call),
+    (signals.executions_changed, record_executions),
+    (signals.lease_renewed, record_renewed),
+    (signals.lease_renewal_failed, record_renewal_failed),
+    (signals.heartbeat_round, record_heartbeat_round),
+    (signals.lease_lost, record_lease_lost),
+    (signals.reaper_pass, record_reaper_pass),
+)
+
+
 def connect_signals() -> None:
     """Subscribe the recorders to celery_guard's signals (idempotent)."""
-    signals.outcome.connect(record_outcome, weak=False, dispatch_uid="celery_guard.metrics")
-    signals.claimed.connect(record_claim, weak=False, dispatch_uid="celery_guard.metrics")
+    for signal, receiver in _RECEIVERS:
+        signal.connect(receiver, weak=False, dispatch_uid="celery_guard.metrics")
 
 
 # -- what the worker's main process exports -----------------------------------------------------
@@ -575,8 +596,6 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        from celery_guard.worker_state import WorkerState
-
         state = _family("celery_guard_worker_state")
         for name in WorkerState:
             state.add_metric([name.value], 1.0 if name.value == snap.state else 0.0)

@@ -19,12 +19,11 @@ A duplicate copy is never a double effect (the key table answers it), only a cos
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -32,10 +31,10 @@ from typing import Any, Final
 from celery import signals
 from celery._state import get_current_task
 
-from celery_guard import serialization
+from celery_guard import messages, redis_queues, serialization
 from celery_guard.errors import StoreError
-from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE, KeySource, canonical_json, resolve_key
-from celery_guard.sampling import PUBLISHED_AT_HEADER, redis_oldest_stamps
+from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE, KeySource, resolve_key
+from celery_guard.messages import PUBLISHED_AT_HEADER
 from celery_guard.store.base import PublishLog, PublishRecord, PublishRecovery
 
 logger = logging.getLogger("celery_guard.outbox")
@@ -54,29 +53,23 @@ CLEANUP_BATCH: Final = 1000
 CLEANUP_BATCHES: Final = 5
 DUE_BATCH: Final = 200
 
-#: Celery request fields that place a message in a workflow, by ``send_task`` option: the
-#: same ``workflow`` the keys table's stored message carries (task.py ``_WORKFLOW_FIELDS``).
-_EMBED_OPTIONS: Final = (
-    ("callbacks", "link"),
-    ("errbacks", "link_error"),
-    ("chain", "chain"),
-    ("chord", "chord"),
-)
-
-
 # -- what a publish is part of ----------------------------------------------------------------
+
+
+#: Whether a task is one this app guards (``isinstance(task, GuardedTask)``), and the key its
+#: task option gives a call's arguments (``None``: no key option): passed in by ``install()``,
+#: so publish tracking never imports the task class.
+IsGuarded = Callable[[Any], bool]
+KeyFor = Callable[[Any, Any, Any], str | None]
 
 
 @dataclass
 class _Context:
-    #: False inside :func:`untracked`: re-publishes of work the store already tracks.
-    track: bool
-    #: The ``guard_published_at`` value to stamp instead of the clock (a reaper re-publish
-    #: records the stamp before the message is sent).
-    stamp: float | None = None
-    #: The tracking app's tracker, set by its ``send_task`` (the signal does not say which app
-    #: publishes, and two apps in one process may name the same task).
-    tracker: PublishTracker | None = None
+    """One publish through a tracking app's ``send_task``."""
+
+    #: The tracking app's tracker (the signal does not say which app publishes, and two apps
+    #: in one process may name the same task).
+    tracker: PublishTracker
     #: Records written for this publish: forgotten again if the publish raises.
     written: list[tuple[str, str]] = field(default_factory=list)
 
@@ -86,36 +79,26 @@ _CONTEXT: contextvars.ContextVar[_Context | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def untracked(stamp: float | None = None) -> Iterator[None]:
-    """Publishes inside are not recorded: re-publishes of a key the store knows already (the
-    reaper, a dead letter's replay). ``stamp`` sets their ``guard_published_at``."""
-    outer = _CONTEXT.get()
-    if stamp is None and outer is not None:
-        stamp = outer.stamp
-    token = _CONTEXT.set(_Context(track=False, stamp=stamp))
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
-
-
-def preset_stamp() -> float | None:
-    """The publish time :func:`untracked` asked for, if any (read by the stamping hook)."""
-    context = _CONTEXT.get()
-    return None if context is None else context.stamp
-
-
 # -- the producer's side ----------------------------------------------------------------------
 
 
 class PublishTracker:
     """One app's publish tracking: a record per guarded publish, in the app's store."""
 
-    def __init__(self, app: Any, store: PublishLog, *, max_payload_bytes: int | None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        store: PublishLog,
+        *,
+        max_payload_bytes: int | None,
+        is_guarded: IsGuarded,
+        key_for: KeyFor,
+    ) -> None:
         self.app = app
         self.store = store
         self.max_payload_bytes = max_payload_bytes
+        self.is_guarded = is_guarded
+        self.key_for = key_for
         self._lock = threading.Lock()
         self._paused_until = 0.0
         #: Publishes sent untracked since the store last failed.
@@ -129,10 +112,9 @@ class PublishTracker:
         record of a publish that raised, so the caller's error means "not sent" and the reaper
         sends nothing.
         """
-        outer = _CONTEXT.get()
-        if outer is not None and not outer.track:
+        if messages.republishing():
             return send_task(*args, **kwargs)
-        context = _Context(track=True, tracker=self)
+        context = _Context(tracker=self)
         token = _CONTEXT.set(context)
         try:
             return send_task(*args, **kwargs)
@@ -145,10 +127,8 @@ class PublishTracker:
 
     def guarded_task(self, name: str) -> Any | None:
         """The app's GuardedTask of this name, or ``None`` (not registered, or not guarded)."""
-        from celery_guard.task import GuardedTask  # task imports install, which imports us
-
         task = self.app.tasks.get(name)
-        return task if isinstance(task, GuardedTask) else None
+        return task if task is not None and self.is_guarded(task) else None
 
     def track(
         self,
@@ -162,7 +142,14 @@ class PublishTracker:
         context: _Context | None,
     ) -> None:
         entry = publish_entry(
-            task, body, headers, exchange, routing_key, properties, self.max_payload_bytes
+            task,
+            body,
+            headers,
+            exchange,
+            routing_key,
+            properties,
+            self.max_payload_bytes,
+            key_for=self.key_for,
         )
         if entry is None or self._paused():
             return
@@ -232,6 +219,8 @@ def publish_entry(
     routing_key: str | None,
     properties: dict[str, Any],
     max_payload_bytes: int | None,
+    *,
+    key_for: KeyFor,
 ) -> dict[str, Any] | None:
     """The record of one publish (``Publishes.track_publish``'s arguments), or ``None`` when it
     is not tracked: a message the reaper could not send again, or whose key no worker can use.
@@ -249,7 +238,7 @@ def publish_entry(
         key, source = resolve_key(
             headers.get(HEADER_KEY) or None,
             headers.get(HEADER_KEY_SOURCE),
-            lambda: task._key_from_option(args or (), kwargs or {}),
+            lambda: key_for(task, args or (), kwargs or {}),
             task_id,
         )
     except Exception as exc:
@@ -259,19 +248,19 @@ def publish_entry(
     if source is KeySource.OPTION and HEADER_KEY not in headers:
         headers[HEADER_KEY] = key
         headers[HEADER_KEY_SOURCE] = source.value
-    message: dict[str, Any] = {
-        "task": task.name,
-        "id": task_id,
-        "args": list(args or ()),
-        "kwargs": dict(kwargs or {}),
-        "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
-        "exchange": getattr(exchange, "name", exchange),
-        "routing_key": routing_key,
-        "priority": (properties or {}).get("priority"),
-    }
-    if headers.get("expires"):
-        message["expires"] = headers["expires"]
-    text = _message_json(message, _workflow(embed or {}, headers))
+    text = messages.from_publish(
+        task.name,
+        task_id,
+        args,
+        kwargs,
+        embed or {},
+        headers,
+        key=key,
+        source=source,
+        exchange=exchange,
+        routing_key=routing_key,
+        properties=properties,
+    )
     if text is None:
         logger.debug("celery_guard does not track %s (id %s): not JSON", task.name, task_id)
         return None
@@ -296,31 +285,6 @@ def publish_entry(
         "countdown": 0.0 if eta is None else eta - now,
         "expires_in": None if expires is None else expires - now,
     }
-
-
-def _workflow(embed: dict[str, Any], headers: dict[str, Any]) -> dict[str, Any]:
-    workflow = {
-        option: embed[name] for name, option in _EMBED_OPTIONS if embed.get(name) not in (None, [])
-    }
-    if headers.get("group") is not None:
-        workflow["group_id"] = headers["group"]
-    if headers.get("group_index") is not None:
-        workflow["group_index"] = headers["group_index"]
-    if workflow:
-        workflow.update(root_id=headers.get("root_id"), parent_id=headers.get("parent_id"))
-    return workflow
-
-
-def _message_json(message: dict[str, Any], workflow: dict[str, Any]) -> str | None:
-    if workflow:
-        try:
-            return canonical_json({**message, "workflow": workflow})
-        except (TypeError, ValueError):
-            pass  # a callback JSON cannot hold: re-published without its workflow, as task.py
-    try:
-        return canonical_json(message)
-    except (TypeError, ValueError):
-        return None
 
 
 def _timestamp(value: Any) -> float | None:
@@ -351,7 +315,7 @@ def _on_before_publish(
 ) -> None:
     """``before_task_publish``: record a guarded publish before it reaches the broker."""
     context = _CONTEXT.get()
-    if headers is None or context is None or not context.track or context.tracker is None:
+    if headers is None or context is None or messages.republishing():
         return  # not published through a tracking app's send_task, or a re-publish
     name = str(headers.get("task") or sender)
     task = context.tracker.guarded_task(name)
@@ -404,7 +368,10 @@ class QueueProbe:
             return None
         for queue in queues:
             if queue not in self._oldest:
-                self._oldest[queue] = redis_oldest_stamps(channel, queue) or []
+                lists = redis_queues.channel_lists(channel, queue)
+                self._oldest[queue] = (
+                    [] if lists is None else redis_queues.oldest_stamps(channel.client, lists)
+                )
             for oldest in self._oldest[queue]:
                 if oldest is None:
                     return None
@@ -516,15 +483,12 @@ class UnclaimedRepublisher:
     def _republish(
         self, record: PublishRecord, message: dict[str, Any], report: OutboxReport
     ) -> bool:
-        from celery_guard.republish import republish  # republish imports untracked from here
-
         stamp = time.time()
         # Mark first: if two reapers ever overlap, only the one whose mark landed publishes.
         if not self.store.mark_publish_republished(record.key, record.task_id, stamp, self.after):
             return True
         try:
-            with untracked(stamp=stamp):
-                republish(self.app, message)
+            messages.republish(self.app, message, published_at=stamp)
         except Exception as exc:
             self.store.unmark_publish_republished(record)
             logger.warning(

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_guard import serialization
+from celery_guard import serialization, signals
 from celery_guard.errors import StoreError
 from celery_guard.lease.backends import LeaseBackend
+from celery_guard.messages import republish
 from celery_guard.outbox import OutboxReport, UnclaimedRepublisher
-from celery_guard.republish import republish
 from celery_guard.store.base import KeyRecord, RecoveryStore
 
 logger = logging.getLogger("celery_guard.reaper")
@@ -131,6 +131,14 @@ class Reaper:
             self.on_leader_pass()
         if self.on_report is not None:
             self.on_report(report)
+        outbox = report.outbox
+        signals.reaper_pass.send(
+            None,
+            recovered_for=report.orphaned_for,
+            dead_owners=len(report.dead_owners),
+            unclaimed_republished=0 if outbox is None else len(outbox.republished),
+            unclaimed_abandoned=0 if outbox is None else len(outbox.abandoned),
+        )
         if report.recovered or report.unrecoverable or report.pruned:
             logger.info(
                 "celery_guard reaper: recovered=%d unrecoverable=%d pruned=%d",
@@ -138,7 +146,6 @@ class Reaper:
                 len(report.unrecoverable),
                 report.pruned,
             )
-        outbox = report.outbox
         if outbox is not None and (outbox.republished or outbox.abandoned or outbox.postponed):
             logger.info(
                 "celery_guard reaper, tracked publishes: forgotten=%d republished=%d "

@@ -7,7 +7,6 @@ does not answer leaves the store's figures standing, and the reverse.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,13 +14,11 @@ from typing import Any
 
 import amqp.exceptions
 
+from celery_guard import redis_queues
 from celery_guard.errors import StoreError
 from celery_guard.store.base import SampleSource, WorkerRecord
 
 logger = logging.getLogger("celery_guard.sampling")
-
-#: The header every message carries from publish (stamped by celery_guard's publish hook).
-PUBLISHED_AT_HEADER = "guard_published_at"
 
 
 @dataclass
@@ -84,12 +81,13 @@ class Sampler:
         channel = self._channel
         stats: dict[str, tuple[int, float | None]] = {}
         for queue in self.queues:
-            depth = redis_queue_depth(channel, queue)
-            if depth is not None:
+            lists = redis_queues.channel_lists(channel, queue)
+            if lists is not None:
                 # kombu's Redis transport answers a passive declare of a queue whose lists are
                 # empty, so deleted by Redis, with 404 (virtual/base.py ``queue_declare``,
                 # redis.py ``_has_queue``): count the lists instead.
-                stats[queue] = (depth, _redis_oldest_age(channel, queue, now))
+                depth = redis_queues.depth(channel.client, lists)
+                stats[queue] = (depth, _oldest_age(channel.client, lists, now))
                 continue
             try:
                 declared = channel.queue_declare(queue=queue, passive=True)
@@ -115,59 +113,12 @@ class Sampler:
             self._connection = self._channel = None
 
 
-def _redis_oldest_age(channel: Any, queue: str, now: float) -> float | None:
+def _oldest_age(client: Any, lists: list[str], now: float) -> float | None:
     """Age of the oldest message in a kombu Redis queue, from its publish-time header.
 
-    Other transports: ``None`` (AMQP cannot peek without taking the message).
+    Other transports never get here: AMQP cannot peek without taking the message.
     """
-    stamps = redis_oldest_stamps(channel, queue)
-    known = [stamp for stamp in stamps or () if stamp is not None]
+    known = [stamp for stamp in redis_queues.oldest_stamps(client, lists) if stamp is not None]
     if not known:
         return None
     return max(0.0, now - min(known))
-
-
-def _redis_lists(channel: Any, queue: str) -> list[str] | None:
-    """The Redis lists behind a kombu Redis queue, one per priority; ``None`` if not Redis."""
-    q_for_pri = getattr(channel, "_q_for_pri", None)
-    steps = getattr(channel, "priority_steps", None)
-    if q_for_pri is None or steps is None:
-        return None
-    return [q_for_pri(queue, priority) for priority in steps]
-
-
-def redis_queue_depth(channel: Any, queue: str) -> int | None:
-    """Messages waiting in a kombu Redis queue, all priority lists together; ``None`` if the
-    channel is not Redis's. One pipelined round trip (what kombu's own ``_size`` does)."""
-    lists = _redis_lists(channel, queue)
-    if lists is None:
-        return None
-    with channel.client.pipeline(transaction=False) as pipe:
-        for name in lists:
-            pipe.llen(name)
-        return sum(int(size) for size in pipe.execute())
-
-
-def redis_oldest_stamps(channel: Any, queue: str) -> list[float | None] | None:
-    """The publish-time header of the oldest waiting message of each non-empty priority list
-    of a kombu Redis queue (``None`` for a message without one); ``None`` if not Redis.
-
-    kombu's Redis transport LPUSHes and BRPOPs (kombu/transport/redis.py ``_put``/``_brpop``),
-    so each priority list's oldest message is its last element: LINDEX -1 reads it without
-    taking it.
-    """
-    lists = _redis_lists(channel, queue)
-    if lists is None:
-        return None
-    stamps: list[float | None] = []
-    client = channel.client
-    for name in lists:
-        raw = client.lindex(name, -1)
-        if raw is None:
-            continue
-        try:
-            headers = json.loads(raw).get("headers") or {}
-            stamps.append(float(headers[PUBLISHED_AT_HEADER]))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            stamps.append(None)
-    return stamps

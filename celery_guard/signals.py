@@ -9,6 +9,31 @@ released, retried, dead_lettered) also carry ``seconds``: from the claim to that
 ``reason`` (``NEW``, ``RETRY`` after a release, ``TAKEOVER`` of an expired lease),
 ``fencing_token``, ``attempts`` and ``queue_lag`` (seconds from publish, or the message's ETA
 if later, to the claim; ``None`` when the message carried no publish time).
+
+The others report the parts' own events; :mod:`celery_guard.metrics` subscribes to all of them
+(``install()`` connects it), and nothing calls the metrics directly. Each is sent with
+``sender=None`` in the process where the event happened:
+
+``store_call``
+    One store (or Redis lease) call made for a delivery: ``ok`` (bool, the store answered) and
+    ``timed_out`` (bool). Sent by the circuit's counter (:mod:`celery_guard.circuit`).
+``executions_changed``
+    This process's guarded executions changed: ``running`` and ``fenced`` (ints). Sent by
+    :class:`celery_guard.worker_state.StateTracker`, twice per delivery that runs a body.
+``lease_renewed``
+    A lease was renewed ``gap`` seconds after its previous renewal (or its claim).
+``lease_renewal_failed``
+    A renewal round failed: ``reason`` is ``store_error`` (once per round) or ``lost`` (once
+    per lease the store no longer grants).
+``heartbeat_round``
+    After each renewal round: ``oldest_lease_age`` and ``oldest_progress_age`` (seconds).
+``lease_lost``
+    A running execution lost its lease: ``cause`` is ``taken_over``, ``expired`` or
+    ``store_unreachable``.
+``reaper_pass``
+    One reaper pass ended: ``recovered_for`` (list of seconds each re-published orphan had
+    been orphaned), ``dead_owners``, ``unclaimed_republished`` and ``unclaimed_abandoned``
+    (ints). Sent in the worker's main process.
 """
 
 from __future__ import annotations
@@ -60,3 +85,10 @@ OUTCOMES: Final = (
 
 outcome = Signal(name="celery_guard.outcome")
 claimed = Signal(name="celery_guard.claimed")
+store_call = Signal(name="celery_guard.store_call")
+executions_changed = Signal(name="celery_guard.executions_changed")
+lease_renewed = Signal(name="celery_guard.lease_renewed")
+lease_renewal_failed = Signal(name="celery_guard.lease_renewal_failed")
+heartbeat_round = Signal(name="celery_guard.heartbeat_round")
+lease_lost = Signal(name="celery_guard.lease_lost")
+reaper_pass = Signal(name="celery_guard.reaper_pass")

@@ -7,14 +7,16 @@ import logging
 import os
 import socket
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_guard import messages
+from celery_guard.circuit import Circuit
 from celery_guard.config import GuardConfig, check_ttl_option
-from celery_guard.deadletters import storable_json
+from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import (
     ConfigurationError,
     DeadLettered,
@@ -24,25 +26,24 @@ from celery_guard.errors import (
     StoreError,
 )
 from celery_guard.execution import Execution
-from celery_guard.handler import Delivery, DeliveryDeferred, RetryLater, oversize
-from celery_guard.install import get_runtime
+from celery_guard.handler import Delivery, DeliveryDeferred, GuardHandler, RetryLater, oversize
 from celery_guard.keys import (
     HEADER_KEY,
     HEADER_KEY_SOURCE,
     KeyOption,
     KeySource,
     bind_arguments,
-    canonical_json,
     check_key_option,
     key_from_option,
     payload_fingerprint,
     resolve_key,
     validate_key,
 )
+from celery_guard.messages import PUBLISHED_AT_HEADER
 from celery_guard.policy import ErrorClass, import_classes
-from celery_guard.sampling import PUBLISHED_AT_HEADER
+from celery_guard.runtime import get_runtime
 from celery_guard.serialization import ResultCodec
-from celery_guard.store.base import DeadLetter
+from celery_guard.store.base import DeadLetter, KeyStore
 
 logger = logging.getLogger("celery_guard")
 
@@ -56,6 +57,36 @@ HEADER_GUARD_RETRIES = "guard_retries"
 HEADER_PUBLISHED_AT = PUBLISHED_AT_HEADER
 
 _EXECUTION_ATTRIBUTE = "_celery_guard_execution"
+
+
+class TaskStore(Protocol):
+    """The part of the store a task reaches itself (a direct call's ``self.guard``)."""
+
+    @property
+    def keys(self) -> KeyStore: ...
+
+
+class TaskRuntime(Protocol):
+    """What a guarded task uses of its app's runtime (``celery_guard.install.GuardRuntime``,
+    found with :func:`celery_guard.runtime.get_runtime` so this module never imports it)."""
+
+    @property
+    def config(self) -> GuardConfig: ...
+    @property
+    def store(self) -> TaskStore: ...
+    @property
+    def handler(self) -> GuardHandler: ...
+    @property
+    def circuit(self) -> Circuit: ...
+    @property
+    def dead_letters(self) -> DeadLetterSink: ...
+
+
+def _runtime(app: Any) -> TaskRuntime:
+    runtime: TaskRuntime = get_runtime(app)
+    return runtime
+
+
 #: Set on the exception Celery's ``Task.retry()`` raises once ``max_retries`` is spent.
 _RETRIES_SPENT_ATTRIBUTE = "_celery_guard_retries_spent"
 #: Where Celery defines its built-in tasks (celery/app/builtins.py).
@@ -232,7 +263,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.guarded:
             return super().__call__(*args, **kwargs)
-        runtime = get_runtime(self.app)
+        runtime = _runtime(self.app)
         request = self.request
         if request.called_directly:
             return self._call_directly(runtime.store.keys, args, kwargs)
@@ -290,7 +321,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             raise
 
     def _keep_undeliverable(
-        self, runtime: Any, request: Any, args: Any, kwargs: Any, exc: Exception
+        self, runtime: TaskRuntime, request: Any, args: Any, kwargs: Any, exc: Exception
     ) -> None:
         """A delivery with no usable key (a producer that skipped ``apply_async``'s checks):
         it fails, and its message is kept as a dead letter instead of being acknowledged away."""
@@ -301,24 +332,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 "the arguments do not fit the task's signature: deploy the task version the "
                 "producer calls (or fix the producer), then replay"
             )
-        headers = request.headers or {}
-        delivery_info = request.delivery_info or {}
-        message = storable_json(
-            {
-                "task": self.name,
-                "id": request.id,
-                "args": list(args),
-                "kwargs": dict(kwargs),
-                "headers": {
-                    name: value
-                    for name in (HEADER_KEY, HEADER_KEY_SOURCE)
-                    if (value := headers.get(name, getattr(request, name, None))) is not None
-                },
-                "exchange": delivery_info.get("exchange"),
-                "routing_key": delivery_info.get("routing_key"),
-                "priority": delivery_info.get("priority"),
-            }
-        )
+        message = messages.from_undeliverable_request(self.name, request, args, kwargs)
         letter = DeadLetter(
             key=request.id,
             task_name=self.name,
@@ -396,7 +410,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             # A task-id key never compares payloads; pickled arguments are fine there.
             fingerprint = None
         message = (
-            self._republish_message(request, args, kwargs, key, source)
+            messages.from_request(self.name, request, args, kwargs, key, source)
             if fingerprint is not None
             else None
         )
@@ -459,7 +473,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         The default consults the task's ``transient_errors``/``permanent_errors``, then the
         app's ``guard_*`` lists, then an HTTP status on the error, then the documented defaults.
         """
-        policy = get_runtime(self.app).config.error_policy
+        policy = _runtime(self.app).config.error_policy
         return policy.with_layer(self.transient_errors, self.permanent_errors).classify(exc)
 
     def _key_from_option(
@@ -473,31 +487,6 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             kwargs=kwargs,
             arguments=arguments,
         )
-
-    def _republish_message(
-        self, request: Any, args: Any, kwargs: Any, key: str, source: KeySource
-    ) -> str:
-        """What re-publishing this delivery needs, stored with the claim."""
-        delivery_info = request.delivery_info or {}
-        message = {
-            "task": self.name,
-            "id": request.id,
-            "args": list(args),
-            "kwargs": dict(kwargs),
-            "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
-            "exchange": delivery_info.get("exchange"),
-            "routing_key": delivery_info.get("routing_key"),
-            "priority": delivery_info.get("priority"),
-        }
-        workflow = _workflow_options(request)
-        if workflow:
-            try:
-                return canonical_json({**message, "workflow": workflow})
-            except (TypeError, ValueError):
-                # A callback with arguments JSON cannot hold: re-published without its workflow
-                # (the original message, which has it, still returns after the visibility timeout).
-                pass
-        return canonical_json(message)
 
     def _defer(self, delivery: Delivery, deferred: DeliveryDeferred) -> BaseException:
         """Re-publish this delivery for later and end this one as a retry, losing nothing."""
@@ -522,33 +511,6 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             return rejected
         retry: BaseException = Retry(str(deferred), when=deferred.countdown, sig=signature)
         return retry
-
-
-#: Celery's request fields that carry a task's place in a workflow, by ``send_task`` option name.
-_WORKFLOW_FIELDS = (
-    ("link", "callbacks"),
-    ("link_error", "errbacks"),
-    ("chain", "chain"),
-    ("chord", "chord"),
-    ("group_id", "group"),
-    ("group_index", "group_index"),
-)
-
-
-def _workflow_options(request: Any) -> dict[str, Any]:
-    """What Celery needs to go on after this task (callbacks, the rest of a chain, a chord).
-
-    Empty for a task outside any canvas, whose stored message then stays as it was.
-    """
-    options = {}
-    for option, name in _WORKFLOW_FIELDS:
-        value = getattr(request, name, None)
-        if value is not None and value != []:
-            options[option] = value
-    if options:
-        # Keep the recovered task's place in the canvas's result graph too.
-        options.update(root_id=request.root_id, parent_id=request.parent_id)
-    return options
 
 
 def _guard_retries(request: Any, headers: dict[str, Any]) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable
+
+from celery_guard import signals
 
 logger = logging.getLogger("celery_guard.worker")
 
@@ -36,8 +37,6 @@ class StateTracker:
         self._running = 0
         self._fenced: set[tuple[str, int]] = set()
         self._lifecycle: WorkerState | None = None  # DRAINING or STOPPED, when set
-        #: Called with (running, fenced) after every change, under the tracker's lock.
-        self.on_change: Callable[[int, int], None] | None = None
 
     def counts(self) -> tuple[int, int]:
         """Executions running and fenced in this process."""
@@ -78,8 +77,8 @@ class StateTracker:
             self._settle(reason="worker started")
 
     def _settle(self, **context: object) -> None:
-        if self.on_change is not None:
-            self.on_change(self._running, len(self._fenced))
+        # Under the lock, so the gauges see the changes in the order they happened.
+        signals.executions_changed.send(None, running=self._running, fenced=len(self._fenced))
         new = combine_state(self._lifecycle, self._running, len(self._fenced))
         if new is not self.state:
             # READY <-> PROCESSING happens twice per task: at INFO it would double a worker's

@@ -21,12 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery.exceptions import Reject
 from celery.utils.log import current_process_index
 
-from celery_guard import metrics, signals
+from celery_guard import signals
 from celery_guard.circuit.breaker import CircuitState
 from celery_guard.circuit.shared import SharedBlock
 from celery_guard.circuit.timeouts import timed_out
@@ -34,9 +34,6 @@ from celery_guard.config import GuardConfig
 from celery_guard.errors import StoreError
 from celery_guard.lease.backends import LeaseBackend
 from celery_guard.store.sql import SqlStore, StoreObserver
-
-if TYPE_CHECKING:
-    from celery_guard.circuit.monitor import CircuitMonitor
 
 __all__ = ["Circuit", "CircuitState"]
 
@@ -47,6 +44,16 @@ logger = logging.getLogger("celery_guard.circuit")
 
 #: Seconds between two looks at the shared state while a delivery waits for the circuit.
 HOLD_POLL = 0.05
+
+
+class Monitor(Protocol):
+    """What the circuit reads of its main-process monitor (:mod:`celery_guard.circuit.monitor`,
+    which imports this module)."""
+
+    @property
+    def concurrency(self) -> int | None:
+        """Pool processes now (``None``: not governed)."""
+        ...
 
 
 class Circuit:
@@ -64,7 +71,7 @@ class Circuit:
         #: The shared counts and state; created by :meth:`on_worker_init` in a worker only.
         self.block: SharedBlock | None = None
         #: The main process's monitor, once the worker has started.
-        self.monitor: CircuitMonitor | None = None
+        self.monitor: Monitor | None = None
         self._recording = False
         self._slot = 0
         # Private to this process: guards this process's slot against its own threads (the
@@ -119,7 +126,7 @@ class Circuit:
         """
         if not self._recording or getattr(self._local, "quiet", False):
             return
-        metrics.record_store_call(ok, timed_out)
+        signals.store_call.send(None, ok=ok, timed_out=timed_out)
         block = self.block
         if block is None:
             return

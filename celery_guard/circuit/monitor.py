@@ -20,8 +20,6 @@ import time
 from typing import Any
 
 import redis
-from celery import bootsteps
-from celery.concurrency.prefork import TaskPool as PreforkPool
 
 from celery_guard.circuit import Circuit
 from celery_guard.circuit.breaker import (
@@ -333,71 +331,3 @@ class CircuitMonitor:
                 self.control.resume(transition.cause)
         if self.governor is not None:
             self.governor.rebase()
-
-
-class CircuitStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
-    """Starts the monitor in the worker's main process (after the pool, like the reaper)."""
-
-    label = "celery_guard.circuit"
-    requires = ("celery.worker.components:Pool",)
-
-    def __init__(self, parent: Any, **kwargs: Any) -> None:
-        super().__init__(parent, **kwargs)
-        self.monitor: CircuitMonitor | None = None
-        self.control: ConsumerControl | None = None
-
-    def create(self, parent: Any) -> None:
-        # No service object: Celery would call its stop()/terminate() without the parent.
-        return None
-
-    def start(self, parent: Any) -> None:
-        from celery_guard.install import get_runtime  # install imports this module
-
-        runtime = get_runtime(parent.app)
-        circuit: Circuit = runtime.circuit
-        config = runtime.config
-        if not circuit.enabled:
-            return
-        if circuit.block is None:
-            logger.error("celery_guard circuit: no shared block (worker_init did not run); off")
-            return
-        pool = parent.pool
-        prefork = isinstance(pool, PreforkPool)
-        if not prefork:
-            circuit.record_in_this_process()
-        adaptive_from: int | None = None
-        if config.adaptive_concurrency:
-            if not prefork:
-                logger.info(
-                    "celery_guard adaptive concurrency is off: the pool is not prefork (%s)",
-                    type(pool).__module__,
-                )
-            elif getattr(parent, "autoscaler", None):
-                logger.info("celery_guard adaptive concurrency is off: --autoscale sizes the pool")
-            else:
-                adaptive_from = int(pool.num_processes)
-        self.control = ConsumerControl(parent)
-        self.monitor = CircuitMonitor(
-            circuit, runtime.store, runtime.leases, self.control, adaptive_from=adaptive_from
-        )
-        circuit.monitor = self.monitor
-        self.monitor.start()
-
-    def register_with_event_loop(self, parent: Any, hub: Any) -> None:
-        # Called each time the consumer (re)connects; Celery cancels these entries on a
-        # connection loss.
-        if self.control is not None:
-            self.control.attach(hub)
-            hub.call_repeatedly(RECONCILE_INTERVAL, self.control.reconcile)
-
-    def stop(self, parent: Any) -> None:
-        self._stop()
-
-    def terminate(self, parent: Any) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
-            self.monitor.circuit.monitor = None
-            self.monitor = None

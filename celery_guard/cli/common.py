@@ -42,9 +42,6 @@ MAX_LEASES = 100_000
 MAX_LETTERS = 100_000
 MAX_QUEUE_MESSAGES = 100_000
 MAX_PRUNE_BATCHES = 1000
-#: kombu's Redis transport keeps priority ``p`` of queue ``q`` in the list ``q + SEP + p``.
-KOMBU_PRIORITY_SEP = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 #: Width a table cell is cut to (``--json`` always has the full values).
 CELL = 48
 

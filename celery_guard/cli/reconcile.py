@@ -14,10 +14,9 @@ import redis
 from kombu.compression import decompress
 from kombu.exceptions import KombuError
 
+from celery_guard import redis_queues
 from celery_guard.cli.common import (
     _DELETE_IF_SAME,
-    KOMBU_PRIORITY_SEP,
-    KOMBU_PRIORITY_STEPS,
     MAX_KEYS,
     MAX_LEASES,
     MAX_LETTERS,
@@ -268,35 +267,17 @@ def _decode_envelope(raw: bytes) -> dict[str, Any] | None:
 def _redis_queue(runtime: GuardRuntime, queue_name: str) -> tuple[redis.Redis, list[str]]:
     """A client of the Redis broker and the lists kombu keeps ``queue_name`` in (per priority)."""
     app = runtime.app
-    transport_options = app.conf.broker_transport_options or {}
-    prefix = str(transport_options.get("global_keyprefix") or "")
-    steps = transport_options.get("priority_steps") or KOMBU_PRIORITY_STEPS
     timeout = runtime.config.store_timeout
     client = redis.Redis.from_url(
         _broker_url(app), socket_timeout=timeout, socket_connect_timeout=timeout
     )
-    lists = [prefix + queue_name] + [
-        f"{prefix}{queue_name}{KOMBU_PRIORITY_SEP}{step}" for step in steps if step
-    ]
+    lists = redis_queues.configured_lists(queue_name, app.conf.broker_transport_options or {})
     return client, lists
 
 
 def _scan_queue(client: redis.Redis, lists: list[str]) -> Iterator[tuple[str, bytes]]:
-    """(list, raw message) for up to MAX_QUEUE_MESSAGES messages, read with LRANGE."""
-    seen = 0
-    for name in lists:
-        start = 0
-        while True:
-            answer: Any = client.lrange(name, start, start + PAGE - 1)
-            chunk: list[bytes] = list(answer)
-            for raw in chunk:
-                if seen >= MAX_QUEUE_MESSAGES:
-                    return
-                seen += 1
-                yield name, raw
-            if len(chunk) < PAGE:
-                break
-            start += PAGE
+    """(list, raw message) for up to MAX_QUEUE_MESSAGES messages (nothing is consumed)."""
+    return redis_queues.scan(client, lists, limit=MAX_QUEUE_MESSAGES, page=PAGE)
 
 
 def _read_queue(runtime: GuardRuntime, queue_name: str) -> QueueRead:

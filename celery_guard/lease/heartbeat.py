@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
+from celery_guard import signals
 from celery_guard.errors import Fenced, StoreError
 
 logger = logging.getLogger("celery_guard.lease")
@@ -32,26 +33,6 @@ class Renewer(Protocol):
         statuses: Mapping[str, str] | None = None,
     ) -> set[str]:
         """Extend each (key, handle) lease still held; return the renewed keys."""
-        ...
-
-
-class LeaseObserver(Protocol):
-    """What the heartbeat reports, for metrics (:mod:`celery_guard.metrics`)."""
-
-    def renewal_failed(self, reason: str) -> None:
-        """A renewal round failed: ``store_error`` or ``lost`` (one call per lost lease)."""
-        ...
-
-    def lease_lost(self, cause: str) -> None:
-        """An execution lost its lease: ``taken_over``, ``expired`` or ``store_unreachable``."""
-        ...
-
-    def renewed(self, gap: float) -> None:
-        """A lease was renewed ``gap`` seconds after its previous renewal (or its claim)."""
-        ...
-
-    def round_done(self, oldest_lease_age: float, oldest_progress_age: float) -> None:
-        """After each round: the oldest held lease's age and the longest time without progress."""
         ...
 
 
@@ -164,9 +145,7 @@ class Heartbeat:
         *,
         interval: float,
         clock: Clock = time.monotonic,
-        observer: LeaseObserver | None = None,
     ) -> None:
-        self.observer = observer
         self.backend = backend
         self.interval = interval
         self._clock = clock
@@ -195,11 +174,11 @@ class Heartbeat:
         """One renewal round: renew what is due, fence what was lost."""
         started = self._clock()
         held = self.held()
-        if self.observer is not None:
-            self.observer.round_done(
-                max((started - lease.acquired_at for lease in held), default=0.0),
-                max((started - lease.last_progress for lease in held), default=0.0),
-            )
+        signals.heartbeat_round.send(
+            None,
+            oldest_lease_age=max((started - lease.acquired_at for lease in held), default=0.0),
+            oldest_progress_age=max((started - lease.last_progress for lease in held), default=0.0),
+        )
         due = [lease for lease in held if lease.should_renew(started)]
         if not due:
             return
@@ -216,22 +195,19 @@ class Heartbeat:
                 if id(lease) in still_held and self._clock() > lease.valid_until:
                     lease.fence(f"store unreachable past the lease ({exc})", "store_unreachable")
             logger.warning("celery_guard lease renewal failed for %d keys: %s", len(due), exc)
-            if self.observer is not None:
-                self.observer.renewal_failed("store_error")
+            signals.lease_renewal_failed.send(None, reason="store_error")
             return
         still_held = {id(lease) for lease in self.held()}
         for lease in due:
             if lease.key in renewed:
                 lease.valid_until = started + lease.ttl
-                if self.observer is not None:
-                    self.observer.renewed(started - lease.renewed_at)
+                signals.lease_renewed.send(None, gap=started - lease.renewed_at)
                 lease.renewed_at = started
             elif id(lease) in still_held:
                 # A lease dropped during the round (its body completed or released the key)
                 # is not "taken over": its row simply no longer needs renewing.
                 lease.fence("taken over: the token no longer owns the key", "taken_over")
-                if self.observer is not None:
-                    self.observer.renewal_failed("lost")
+                signals.lease_renewal_failed.send(None, reason="lost")
 
     def _ensure_thread(self) -> None:
         pid = os.getpid()

@@ -17,7 +17,8 @@ import pytest
 from celery import Celery
 
 from celery_guard import GuardConfig
-from celery_guard.sampling import PUBLISHED_AT_HEADER, Sampler
+from celery_guard.messages import PUBLISHED_AT_HEADER
+from celery_guard.sampling import Sampler
 from celery_guard.store.sql import SqlStore
 from tests.rig.servers import RabbitMQServer, RedisServer
 

@@ -1,27 +1,40 @@
-"""The worker bootstep: runs the reaper in the worker's main process and tracks its lifecycle."""
+"""Every worker bootstep celery_guard adds, and what they run in the worker's main process.
+
+:class:`GuardStep` runs the reaper (which also carries this worker's heartbeat row and the
+sampling) and the metrics endpoint, and drains on warm shutdown; :class:`CircuitStep` runs the
+store circuit breaker's monitor (:mod:`celery_guard.circuit.monitor`). Both find their app's
+runtime with :func:`celery_guard.runtime.get_runtime`; ``install()`` adds them to the app.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.signals import beat_init
 from sqlalchemy.engine import make_url
 
 from celery_guard import metrics
+from celery_guard.circuit import Circuit
 from celery_guard.circuit.breaker import CircuitState
+from celery_guard.circuit.monitor import RECONCILE_INTERVAL, CircuitMonitor, ConsumerControl
 from celery_guard.config import DEFAULT_STORE_URL, GuardConfig, normalize_store_url
 from celery_guard.errors import ConfigurationError, StoreError
 from celery_guard.metrics import MetricsServer, WorkerSnapshot, build_registry
 from celery_guard.outbox import UnclaimedRepublisher
 from celery_guard.reaper import Reaper, ReaperReport
+from celery_guard.runtime import get_runtime
 from celery_guard.sampling import Sample, Sampler
+from celery_guard.schedules import warn_constant_keys
 from celery_guard.worker_state import WorkerState, combine_state
 
 logger = logging.getLogger("celery_guard.worker")
+circuit_logger = logging.getLogger("celery_guard.circuit")
 
 
 class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
@@ -31,8 +44,6 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
     requires = ("celery.worker.components:Pool",)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
-        from celery_guard.install import get_runtime  # install imports this module
-
         # The settings are read when first needed; a worker needs them now. A bad one raises
         # out of the worker's setup (an error from the worker_init signal would only be
         # logged), so the worker exits before it consumes anything.
@@ -47,16 +58,13 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         return None
 
     def start(self, parent: Any) -> None:
-        from celery_guard.install import get_runtime  # install imports this module
-
         runtime = get_runtime(parent.app)
         runtime.states.set_lifecycle_ready()
         config = runtime.config
         warn_if_embedded_store(config)
-        from celery_guard.schedules import warn_constant_keys  # imports task, which imports us
-
         warn_constant_keys(parent.app, config.result_ttl)
-        monitor = WorkerMonitor(runtime, parent)
+        monitor = WorkerMonitor(runtime, parent, live_counts=metrics.live_execution_counts)
+        metrics.declare_series()
         self.monitor = monitor
         # The reaper's loop also carries this worker's heartbeat, so it runs even when the
         # worker does not compete for the reaper's lease.
@@ -89,8 +97,6 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
 
     def stop(self, parent: Any) -> None:
         """Warm shutdown: drain, then hand back what did not finish in time."""
-        from celery_guard.install import get_runtime
-
         runtime = get_runtime(parent.app)
         runtime.states.set_lifecycle(WorkerState.DRAINING, reason="warm shutdown")
         self._stop_reaper()
@@ -99,8 +105,6 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
 
     def terminate(self, parent: Any) -> None:
         """Cold shutdown: no drain; running keys' leases expire and the reaper recovers them."""
-        from celery_guard.install import get_runtime
-
         get_runtime(parent.app).states.set_lifecycle(WorkerState.DRAINING, reason="cold shutdown")
         self._stop_reaper()
         self._stop_monitoring()
@@ -119,8 +123,6 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
             self.monitor = None
 
     def shutdown(self, parent: Any) -> None:
-        from celery_guard.install import get_runtime
-
         get_runtime(parent.app).states.set_lifecycle(WorkerState.STOPPED, reason="shutdown")
         self._stop_monitoring()
 
@@ -150,9 +152,6 @@ def check_beat_schedule(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
         return
-    from celery_guard.install import get_runtime
-    from celery_guard.schedules import warn_constant_keys
-
     try:
         runtime = get_runtime(app)
     except ConfigurationError:
@@ -201,19 +200,26 @@ def drain(runtime: Any, hostname: str) -> list[str]:
 class WorkerMonitor:
     """The main process's view of its worker: heartbeat row, samples, metrics snapshot."""
 
-    def __init__(self, runtime: Any, parent: Any) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        parent: Any,
+        *,
+        live_counts: Callable[[], tuple[int, int] | None] = lambda: None,
+    ) -> None:
         self.runtime = runtime
+        #: (running, fenced) over every process of the worker (``None``: this process only).
+        self.live_counts = live_counts
         self.parent = parent
         self.hostname: str = parent.hostname
         self.pid = os.getpid()
         self.sample_: Sample | None = None
         queues = sorted(parent.app.amqp.queues.consume_from or parent.app.amqp.queues)
         self.sampler = Sampler(parent.app, runtime.store, queues)
-        metrics.declare_series()
 
     def state(self) -> tuple[str, int, int]:
         """(state, running, fenced): the main process's lifecycle, else its children's work."""
-        counts = metrics.live_execution_counts() or self.runtime.states.counts()
+        counts = self.live_counts() or self.runtime.states.counts()
         running, fenced = counts
         lifecycle = self.runtime.states.lifecycle
         if lifecycle is None and self.runtime.circuit.state is CircuitState.OPEN:
@@ -243,13 +249,6 @@ class WorkerMonitor:
     def record_report(self, report: ReaperReport) -> None:
         if not report.leader:
             self.sample_ = None  # only the holder exports the sampled series
-        outbox = report.outbox
-        metrics.record_reaper_pass(
-            report.orphaned_for,
-            len(report.dead_owners),
-            unclaimed_republished=0 if outbox is None else len(outbox.republished),
-            unclaimed_abandoned=0 if outbox is None else len(outbox.abandoned),
-        )
 
     def _circuit_name(self) -> str | None:
         circuit = self.runtime.circuit
@@ -277,3 +276,73 @@ class WorkerMonitor:
             self.runtime.store.workers.remove_worker(self.hostname, self.pid)
         except StoreError as exc:
             logger.info("celery_guard could not remove the worker heartbeat: %s", exc)
+
+
+class CircuitStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
+    """Starts the monitor in the worker's main process (after the pool, like the reaper)."""
+
+    label = "celery_guard.circuit"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.monitor: CircuitMonitor | None = None
+        self.control: ConsumerControl | None = None
+
+    def create(self, parent: Any) -> None:
+        # No service object: Celery would call its stop()/terminate() without the parent.
+        return None
+
+    def start(self, parent: Any) -> None:
+        runtime = get_runtime(parent.app)
+        circuit: Circuit = runtime.circuit
+        config = runtime.config
+        if not circuit.enabled:
+            return
+        if circuit.block is None:
+            circuit_logger.error(
+                "celery_guard circuit: no shared block (worker_init did not run); off"
+            )
+            return
+        pool = parent.pool
+        prefork = isinstance(pool, PreforkPool)
+        if not prefork:
+            circuit.record_in_this_process()
+        adaptive_from: int | None = None
+        if config.adaptive_concurrency:
+            if not prefork:
+                circuit_logger.info(
+                    "celery_guard adaptive concurrency is off: the pool is not prefork (%s)",
+                    type(pool).__module__,
+                )
+            elif getattr(parent, "autoscaler", None):
+                circuit_logger.info(
+                    "celery_guard adaptive concurrency is off: --autoscale sizes the pool"
+                )
+            else:
+                adaptive_from = int(pool.num_processes)
+        self.control = ConsumerControl(parent)
+        self.monitor = CircuitMonitor(
+            circuit, runtime.store, runtime.leases, self.control, adaptive_from=adaptive_from
+        )
+        circuit.monitor = self.monitor
+        self.monitor.start()
+
+    def register_with_event_loop(self, parent: Any, hub: Any) -> None:
+        # Called each time the consumer (re)connects; Celery cancels these entries on a
+        # connection loss.
+        if self.control is not None:
+            self.control.attach(hub)
+            hub.call_repeatedly(RECONCILE_INTERVAL, self.control.reconcile)
+
+    def stop(self, parent: Any) -> None:
+        self._stop()
+
+    def terminate(self, parent: Any) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor.circuit.monitor = None
+            self.monitor = None
