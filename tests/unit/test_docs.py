@@ -18,7 +18,7 @@ import pytest
 from celery_guard import GuardConfig
 from celery_guard.config import CONFIG_PREFIX
 from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE
-from celery_guard.sampling import PUBLISHED_AT_HEADER
+from celery_guard.messages import PUBLISHED_AT_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
