@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from sqlalchemy import (
@@ -40,14 +40,12 @@ from celery_guard.store.base import (
     ClaimRequest,
     ClaimResult,
     DeadLetter,
+    DeadLetterStore,
     KeyRecord,
 )
 from celery_guard.store.engine import BOUNDARY_HOOK, StoreEngine, only_row
 from celery_guard.store.queries import texts
 from celery_guard.store.schema import EPOCH_NOW_SQL, TOKEN_FLOOR, KeyState, db_epoch_now, keys
-
-if TYPE_CHECKING:
-    from celery_guard.store.dead_letters import DeadLetters
 
 RUNNING = KeyState.RUNNING.value
 COMPLETED = KeyState.COMPLETED.value
@@ -61,7 +59,7 @@ SQL = texts("celery_guard.store.queries", "keys.sql")
 class Keys:
     """The idempotency keys: one delivery's claim, completion and release, and the key reads."""
 
-    def __init__(self, db: StoreEngine, dead_letters: DeadLetters) -> None:
+    def __init__(self, db: StoreEngine, dead_letters: DeadLetterStore) -> None:
         self.db = db
         self._dead_letters = dead_letters
 
