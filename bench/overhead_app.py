@@ -1,4 +1,15 @@
-"""The Celery app bench/overhead.py runs in real workers: plain vs guarded, no-op vs one insert.
+"""The Celery app bench/overhead.py runs in real workers: plain, the floor and GuardedTask.
+
+Three task bodies, each in three variants: plain Celery, the floor (bench/floor.py: the least a
+durable two-statement claim costs) and ``GuardedTask``. A fourth variant, GuardedTask with
+every option that costs something on, runs the guarded tasks in a worker started with
+``BENCH_GUARD_CONF`` (bench/overhead.py sets it).
+
+- *noop*: returns.
+- *credit*: inserts a start row in its own transaction, then its ledger row in the transaction
+  the guard commits with its COMPLETED marker (``self.guard.transaction()``, the floor's
+  ``self.transaction()``); plain Celery writes both in their own transactions.
+- *insert*: one row in the guard's transaction (bench/peers.py compares it with its peers).
 
 Configured from the environment so the benchmark process and its workers agree:
 ``BENCH_BROKER_URL`` (Redis broker), ``BENCH_REDIS_URL`` (Redis for the completion counter),
@@ -22,6 +33,8 @@ from celery import Celery, signals
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, create_engine, insert
 
 import celery_guard
+from bench import floor
+from bench.floor import FloorTask, OneCommitFloorTask
 from celery_guard import GuardedTask
 
 DONE_KEY = "bench:done"
@@ -52,6 +65,14 @@ rows = Table(
     Column("row_id", Integer, primary_key=True),
     Column("variant", String(32), nullable=False),
 )
+#: The credit task's first write, committed on its own before the guarded part.
+starts = Table(
+    "bench_starts",
+    metadata,
+    Column("row_id", Integer, primary_key=True),
+    Column("variant", String(32), nullable=False),
+)
+floor_keys = floor.define_table(metadata)
 
 T = TypeVar("T")
 _per_process: dict[str, tuple[int, Any]] = {}
@@ -102,11 +123,73 @@ def guarded_insert(self: Any, row_id: int) -> None:
         connection.execute(insert(rows).values(row_id=row_id, variant="guarded_insert"))
 
 
+def _start(row_id: int, variant: str) -> None:
+    with plain_engine().begin() as connection:
+        connection.execute(insert(starts).values(row_id=row_id, variant=variant))
+
+
+@app.task(name="bench.plain_credit", **PLAIN)
+def plain_credit(self: Any, row_id: int) -> None:
+    _start(row_id, "plain_credit")
+    with plain_engine().begin() as connection:
+        connection.execute(insert(rows).values(row_id=row_id, variant="plain_credit"))
+
+
+@app.task(name="bench.guarded_credit", base=GuardedTask, bind=True, idempotency_key="cr:{row_id}")
+def guarded_credit(self: Any, row_id: int) -> None:
+    _start(row_id, "guarded_credit")
+    with self.guard.transaction() as connection:
+        connection.execute(insert(rows).values(row_id=row_id, variant="guarded_credit"))
+
+
+class BenchFloor(FloorTask):  # type: ignore[misc]
+    abstract = True
+    dsn = STORE_URL.replace("postgresql+psycopg://", "postgresql://")
+    engine = staticmethod(plain_engine)
+
+
+class BenchOneCommitFloor(OneCommitFloorTask):  # type: ignore[misc]
+    abstract = True
+    dsn = BenchFloor.dsn
+    engine = staticmethod(plain_engine)
+
+
+@app.task(name="bench.floor_noop", base=BenchFloor, bind=True, floor_key="noop:{row_id}")
+def floor_noop(self: Any, row_id: int) -> None:
+    return None
+
+
+@app.task(name="bench.floor_credit", base=BenchFloor, bind=True, floor_key="cr:{row_id}")
+def floor_credit(self: Any, row_id: int) -> None:
+    _start(row_id, "floor_credit")
+    with self.transaction() as connection:
+        connection.execute(insert(rows).values(row_id=row_id, variant="floor_credit"))
+
+
+@app.task(name="bench.floor1_noop", base=BenchOneCommitFloor, bind=True, floor_key="n1:{row_id}")
+def floor1_noop(self: Any, row_id: int) -> None:
+    return None
+
+
+@app.task(name="bench.floor1_credit", base=BenchOneCommitFloor, bind=True, floor_key="c1:{row_id}")
+def floor1_credit(self: Any, row_id: int) -> None:
+    # The start row commits on its own connection while the claim's transaction is open.
+    _start(row_id, "floor1_credit")
+    with self.transaction() as connection:
+        connection.execute(insert(rows).values(row_id=row_id, variant="floor1_credit"))
+
+
 TASKS = {
     "plain_noop": plain_noop,
     "guarded_noop": guarded_noop,
     "plain_insert": plain_insert,
     "guarded_insert": guarded_insert,
+    "plain_credit": plain_credit,
+    "guarded_credit": guarded_credit,
+    "floor_noop": floor_noop,
+    "floor_credit": floor_credit,
+    "floor1_noop": floor1_noop,
+    "floor1_credit": floor1_credit,
 }
 
 

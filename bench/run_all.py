@@ -47,8 +47,8 @@ SMOKE_ARGS = {
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600
 #: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes);
-#: ``cpu`` is a helper module of the benchmarks, not one.
-NOT_BENCHMARKS = {"__init__", "run_all", "soak", "cpu"}
+#: ``cpu`` and ``floor`` are helper modules of the benchmarks, not ones.
+NOT_BENCHMARKS = {"__init__", "run_all", "soak", "cpu", "floor"}
 VERSIONED = {
     "celery": "celery",
     "kombu": "kombu",

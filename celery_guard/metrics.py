@@ -312,6 +312,7 @@ class ProcessMetrics:
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.objects: dict[str, Any] = {}
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         for spec in CATALOGUE:
             if (spec.kind == "gauge" and spec.scope != "process") or spec.name in _READ_AT_SCRAPE:
                 continue  # read at scrape time by WorkerCollector
@@ -329,6 +330,19 @@ class ProcessMetrics:
 
     def __getitem__(self, name: str) -> Any:
         return self.objects[name]
+
+    def child(self, name: str, *values: str) -> Any:
+        """The metric's child for these label values (in the catalogue's label order), kept.
+
+        prometheus_client's ``labels()`` validates and locks on every call; a delivery records
+        three or four series, the same few every time. A kept child stays right across fork:
+        prometheus_client's multiprocess values notice the new pid themselves.
+        """
+        key = (name, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = self.objects[name].labels(*values)
+        return found
 
 
 _lock = threading.Lock()
@@ -450,30 +464,26 @@ def record_outcome(sender: Any = None, outcome: str = "", **extra: Any) -> None:
     """``celery_guard.signals.outcome`` receiver."""
     task = _task_name(sender)
     metrics = process_metrics()
-    metrics["celery_guard_tasks"].labels(task=task, outcome=outcome).inc()
+    metrics.child("celery_guard_tasks", task, outcome).inc()
     if outcome == signals.RETRIED:
         error_class = str(extra.get("error_class") or "unknown")
-        metrics["celery_guard_retries"].labels(task=task, error_class=error_class).inc()
+        metrics.child("celery_guard_retries", task, error_class).inc()
     elif outcome == signals.DEAD_LETTERED:
         error_class = str(extra.get("error_class") or "unknown")
-        metrics["celery_guard_dead_letters"].labels(task=task, error_class=error_class).inc()
+        metrics.child("celery_guard_dead_letters", task, error_class).inc()
     seconds = extra.get("seconds")
     if seconds is not None:
-        metrics["celery_guard_task_duration_seconds"].labels(task=task, outcome=outcome).observe(
-            seconds
-        )
+        metrics.child("celery_guard_task_duration_seconds", task, outcome).observe(seconds)
 
 
 def record_claim(sender: Any = None, reason: str | None = None, **extra: Any) -> None:
     """``celery_guard.signals.claimed`` receiver."""
     task = _task_name(sender)
     metrics = process_metrics()
-    metrics["celery_guard_lease_acquisitions"].labels(
-        task=task, reason=(reason or "new").lower()
-    ).inc()
+    metrics.child("celery_guard_lease_acquisitions", task, (reason or "new").lower()).inc()
     lag = extra.get("queue_lag")
     if lag is not None:
-        metrics["celery_guard_queue_lag_seconds"].labels(task=task).observe(lag)
+        metrics.child("celery_guard_queue_lag_seconds", task).observe(lag)
 
 
 def record_executions(running: int = 0, fenced: int = 0, **_: Any) -> None:
@@ -486,7 +496,7 @@ def record_executions(running: int = 0, fenced: int = 0, **_: Any) -> None:
 def record_store_call(ok: bool = True, timed_out: bool = False, **_: Any) -> None:
     """``celery_guard.signals.store_call`` receiver: one store call made for a delivery."""
     result = "ok" if ok else ("timeout" if timed_out else "error")
-    process_metrics()["celery_guard_store_calls"].labels(result=result).inc()
+    process_metrics().child("celery_guard_store_calls", result).inc()
 
 
 def record_renewal_failed(reason: str = "", **_: Any) -> None:

@@ -66,7 +66,12 @@ class Keys:
     # -- the primitives -----------------------------------------------------------------------
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
-        """Insert or take over the key's row in one statement and say what happened."""
+        """Insert or take over the key's row in one statement and say what happened.
+
+        The record is the row as the claim left it, except that its ``message`` is read back
+        only for a DEAD key and its ``result`` only for a COMPLETED one (``None`` otherwise):
+        what the handler reads, without sending the stored texts back on every claim.
+        """
         claim_id = uuid.uuid4().hex
         statement = _claim_statement(
             self.db.dialect_name, request.check_fingerprint, request.external_token is not None

@@ -186,13 +186,20 @@ class _ServerBase:
 
 
 class PostgresServer(_ServerBase):
-    """A throwaway PostgreSQL 15 cluster (trust auth, fsync off) on 127.0.0.1:port."""
+    """A throwaway PostgreSQL 15 cluster (trust auth, fsync off) on 127.0.0.1:port.
+
+    ``durable=True`` runs it as production does instead: fsync, synchronous_commit and
+    full_page_writes on, so every commit waits for its WAL flush (bench/overhead.py).
+    """
 
     name = "postgres"
 
-    def __init__(self, port: int | None = None, start_timeout: float = 30) -> None:
+    def __init__(
+        self, port: int | None = None, start_timeout: float = 30, durable: bool = False
+    ) -> None:
         super().__init__(port)
         self.start_timeout = start_timeout
+        self.durable = durable
         self._os_user = _pg_os_user()
 
     @property
@@ -257,11 +264,12 @@ class PostgresServer(_ServerBase):
         assert self._tmp is not None
         argv = [str(PG_BIN / "postgres"), "-D", str(self._tmp / "data")]
         argv += ["-p", str(self._port), "-k", str(self._tmp / "sock")]
+        durability = "on" if self.durable else "off"
         for setting in (
             "listen_addresses=127.0.0.1",
-            "fsync=off",
-            "synchronous_commit=off",
-            "full_page_writes=off",
+            f"fsync={durability}",
+            f"synchronous_commit={durability}",
+            f"full_page_writes={durability}",
             "max_connections=300",
             "shared_buffers=64MB",
         ):

@@ -9,6 +9,8 @@
 -- updated_at is "now" by the database's clock. A claim that does not own the key rewrites the
 -- row with its own values (a no-op) but for the duplicates counter, so the RETURNING row always
 -- answers: owned (claim_id is ours), COMPLETED, in flight or a payload conflict.
+-- It returns the row but for the two texts, each only where the handler reads it: the stored
+-- message of a DEAD key (its failed task id), the result a duplicate answers with.
 INSERT INTO celery_guard_keys AS k (
     key, task_name, state, attempts, fencing_token, lease_expires_at, owner, owner_lock,
     claim_id, claim_reason, fingerprint, message, duplicates, created_at, updated_at)
@@ -56,7 +58,12 @@ ON CONFLICT (key) DO UPDATE SET (
         ) AS c
     ) AS d
 )
-RETURNING *, lease_expires_at - {now} AS lease_remaining
+RETURNING key, task_name, state, attempts, fencing_token, lease_expires_at, owner, owner_lock,
+    claim_id, claim_reason, fingerprint, last_error, duplicates, created_at, updated_at,
+    completed_at, expires_at, republished_at,
+    CASE WHEN state = 'DEAD' THEN message END AS message,
+    CASE WHEN state = 'COMPLETED' THEN result END AS result,
+    lease_expires_at - {now} AS lease_remaining
 
 -- name: first_token
 -- A new row's first token: above every token of the key's pruned rows (see prune_completed).
