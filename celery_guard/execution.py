@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from sqlalchemy import Connection, RootTransaction
 from sqlalchemy.orm import Session
 
-from celery_guard.errors import Fenced, GuardError, TransactionMisuse
+from celery_guard.errors import ConfigurationError, Fenced, GuardError, TransactionMisuse
 from celery_guard.lease.heartbeat import Lease
 from celery_guard.store.base import KeyStore
 
@@ -140,7 +140,7 @@ class Execution:
         if self._finished:
             raise GuardError("self.guard.transaction() was used after the task body returned")
         if self._joined is not None:
-            raise GuardError(_BOTH)
+            raise TransactionMisuse(_BOTH)
         if self._connection is None:
             self._connection = self._store.connect(on_boundary=self._on_boundary)
             self._ending = False
@@ -161,7 +161,7 @@ class Execution:
         if self._finished:
             raise GuardError("self.guard.atomic() was used after the task body returned")
         if self._atomic is None:
-            raise GuardError(
+            raise ConfigurationError(
                 "self.guard.atomic() needs a framework integration: for Django, call "
                 "celery_guard.contrib.django.install(app) instead of celery_guard.install(app) "
                 "(docs/django.md); without one, use self.guard.transaction()"
@@ -177,7 +177,7 @@ class Execution:
         if self._finished:
             raise GuardError("self.guard.atomic() was used after the task body returned")
         if self._connection is not None:
-            raise GuardError(_BOTH)
+            raise TransactionMisuse(_BOTH)
         if self._joined is not None and self._joined is not transaction:
             raise GuardError("this execution has joined another transaction already")
         self._joined = transaction

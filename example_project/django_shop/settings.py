@@ -78,6 +78,7 @@ DATABASES = {
 # Celery, read through the app's namespace="CELERY" (celery.py), celery_guard's keys included.
 CELERY_BROKER_URL = os.environ.get("DJANGO_SHOP_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_RESULT_BACKEND = os.environ.get("DJANGO_SHOP_RESULT_URL", "redis://127.0.0.1:6379/1")
+CELERY_TASK_DEFAULT_QUEUE = "django_shop"
 CELERY_TASK_ALWAYS_EAGER = os.environ.get("DJANGO_SHOP_EAGER", "") == "1"
 CELERY_GUARD_LEASE_TTL = float(os.environ.get("DJANGO_SHOP_LEASE_TTL", "10"))
 CELERY_GUARD_BACKOFF_BASE = float(os.environ.get("DJANGO_SHOP_BACKOFF_BASE", "1"))

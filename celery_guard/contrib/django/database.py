@@ -265,7 +265,7 @@ class AtomicBlocks:
     ) -> Iterator[None]:
         alias = self.alias
         if using is not None and using != alias:
-            raise GuardError(
+            raise TransactionMisuse(
                 f"self.guard.atomic(using={using!r}): the store lives on {alias!r} "
                 "(CELERY_GUARD_DATABASE), and only writes there commit with the COMPLETED "
                 "marker; use transaction.atomic(using=...) for other databases, outside the "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from django.db import migrations
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
@@ -20,28 +19,18 @@ _DIALECTS = {
 }
 
 
-def _on_store_alias(schema_editor: Any) -> bool:
-    """The tables live only in the store's database (``CELERY_GUARD_DATABASE``); migrating
-    the project's other databases leaves them alone (Django's advice for RunPython in a
-    project with several databases)."""
-    alias = getattr(settings, "CELERY_GUARD_DATABASE", None) or "default"
-    return bool(schema_editor.connection.alias == alias)
-
-
 def _dialect(schema_editor: Any) -> Any:
-    vendor = schema_editor.connection.vendor
-    if vendor not in _DIALECTS:
-        raise RuntimeError(
-            f"celery_guard's tables run on PostgreSQL and SQLite, not {vendor}: point "
-            "CELERY_GUARD_DATABASE at an alias of one of them"
-        )
-    return _DIALECTS[vendor]
+    """The dialect of the database being migrated, or ``None`` where the store cannot live
+    (a project's MySQL ``default`` beside a PostgreSQL store alias): nothing is created there.
+    Which databases the migration runs on is Django's to decide (``migrate --database``, and a
+    router's ``allow_migrate`` for the app label ``celery_guard``, which RunPython honours)."""
+    return _DIALECTS.get(schema_editor.connection.vendor)
 
 
 def create_tables(apps: Any, schema_editor: Any) -> None:
-    if not _on_store_alias(schema_editor):
-        return
     dialect = _dialect(schema_editor)
+    if dialect is None:
+        return
     for table in metadata.sorted_tables:
         schema_editor.execute(str(CreateTable(table, if_not_exists=True).compile(dialect=dialect)))
         for index in sorted(table.indexes, key=lambda index: str(index.name)):
@@ -51,9 +40,9 @@ def create_tables(apps: Any, schema_editor: Any) -> None:
 
 
 def drop_tables(apps: Any, schema_editor: Any) -> None:
-    if not _on_store_alias(schema_editor):
-        return
     dialect = _dialect(schema_editor)
+    if dialect is None:
+        return
     for table in reversed(metadata.sorted_tables):
         schema_editor.execute(str(DropTable(table, if_exists=True).compile(dialect=dialect)))
 
