@@ -10,7 +10,6 @@ suite starts, and Celery's Django fixup would set Django up in them.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -21,9 +20,13 @@ import django
 import pytest
 from django.conf import settings
 
+from celery_guard.install import GuardRuntime
+from celery_guard.runtime import find_runtime
+from tests.rig.procs import remove_at_exit
 from tests.rig.servers import PostgresServer, RedisServer
 
 _SQLITE_DIR = Path(tempfile.mkdtemp(prefix="django-shop-"))
+remove_at_exit(_SQLITE_DIR)  # after pytest-django has dropped the test databases
 
 if not settings.configured:
     from example_project.django_shop import settings as shop_settings
@@ -47,12 +50,6 @@ if not settings.configured:
     finally:
         if saved is None:
             os.environ.pop("DJANGO_SETTINGS_MODULE", None)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _remove_sqlite_dir() -> Iterator[None]:
-    yield
-    shutil.rmtree(_SQLITE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -79,3 +76,25 @@ def broker(redis_server: RedisServer) -> dict[str, str]:
 
 def count(model: Any, **filters: Any) -> int:
     return int(model.objects.filter(**filters).count())
+
+
+@pytest.fixture
+def shop_app(broker: dict[str, str]) -> Any:
+    """The project's Celery app, current in this process (``shared_task`` and
+    ``delay_on_commit`` publish through the current app; other tests create apps of their own)."""
+    from example_project.django_shop import celery_app
+
+    celery_app.set_current()
+    return celery_app
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_store_connections(django_db_setup: None) -> Iterator[None]:
+    """Close this process's store connections before pytest-django drops the test databases
+    (PostgreSQL refuses to drop a database a session is still connected to)."""
+    yield
+    from example_project.django_shop import celery_app
+
+    runtime = find_runtime(celery_app)
+    if isinstance(runtime, GuardRuntime):
+        runtime.store.dispose()
