@@ -161,6 +161,10 @@ class GuardConfig:
     #: the reaper re-publishes it, and between two re-publishes of the same one. Longer than a
     #: message normally waits in a queue or prefetched by a busy worker.
     unclaimed_republish_after: float = 300.0
+    #: Django only (``celery_guard.contrib.django``): the alias in ``DATABASES`` the store lives
+    #: on; ``None`` means ``"default"``. Refused without the Django integration, where nothing
+    #: would read it.
+    database: str | None = None
 
     def __post_init__(self) -> None:
         _check_number("guard_store_timeout", self.store_timeout, minimum=0.001)
@@ -258,6 +262,11 @@ class GuardConfig:
                 f"guard_track_publishes must be True or False, got {self.track_publishes!r}"
             )
         _check_positive("guard_unclaimed_republish_after", self.unclaimed_republish_after)
+        if self.database is not None and (not isinstance(self.database, str) or not self.database):
+            raise ConfigurationError(
+                f"guard_database must be a database alias of Django's DATABASES, got "
+                f"{self.database!r}"
+            )
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
 
@@ -269,12 +278,19 @@ class GuardConfig:
         return f"GuardConfig(store_url={self.safe_store_url()!r}, {text})"
 
     @classmethod
-    def from_celery_conf(cls, conf: Mapping[str, Any], namespace: str | None = None) -> GuardConfig:
+    def from_celery_conf(
+        cls,
+        conf: Mapping[str, Any],
+        namespace: str | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> GuardConfig:
         """Build from a Celery config; unknown guard keys are refused with a suggestion.
 
         ``namespace`` is the app's (``app.namespace``); by default the one a Celery ``Settings``
         carries as its ``prefix``. Under it, ``<NAMESPACE>_GUARD_<FIELD>`` and ``guard_<field>``
-        are both read; the two with different values are refused.
+        are both read; the two with different values are refused. ``defaults`` (field name ->
+        value) replace the documented defaults of fields the config does not set: an
+        integration's (Django's migrations own the schema, so ``create_tables`` is off there).
         """
         keys = list(conf.keys())  # first: a pending Celery config learns its prefix on loading
         if namespace is None:
@@ -320,8 +336,10 @@ class GuardConfig:
                     )
                 continue
             found[name] = (raw, value)
+        values = dict(defaults or {})
+        values.update((name, value) for name, (_, value) in found.items())
         try:
-            return cls(**{name: value for name, (_, value) in found.items()})
+            return cls(**values)
         except ConfigurationError as exc:
             spelled = {name: raw for name, (raw, _) in found.items()}
             message = _respell(str(exc), names, spelled, namespace)

@@ -4,18 +4,45 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 from sqlalchemy import Connection, RootTransaction
 from sqlalchemy.orm import Session
 
-from celery_guard.errors import Fenced, GuardError, TransactionMisuse
+from celery_guard.errors import ConfigurationError, Fenced, GuardError, TransactionMisuse
 from celery_guard.lease.heartbeat import Lease
 from celery_guard.store.base import KeyStore
 
 logger = logging.getLogger("celery_guard")
+
+
+class JoinedTransaction(Protocol):
+    """A transaction on a connection celery_guard does not own (Django's, for one) that the
+    completion marker joins: celery_guard ends it, committing it only with the marker.
+
+    ``celery_guard.contrib.django`` provides one for ``self.guard.atomic()``.
+    """
+
+    @property
+    def misuse(self) -> TransactionMisuse | None:
+        """The error for the body's attempt to end this transaction itself, if it made one."""
+
+    def complete(self, key: str, token: int, result: str, retention: float | None) -> None:
+        """Run the token-checked completion marker inside it; ``Fenced`` when not owned."""
+
+    def commit(self) -> None:
+        """Commit it (the body's writes and the marker); failures the store did not answer
+        are ``StoreError``."""
+
+    def rollback(self) -> None:
+        """Roll it back, if still open (called again after an end, it does nothing)."""
+
+
+#: Opens ``self.guard.atomic(**options)`` for an execution; it joins the execution (see
+#: :meth:`Execution.join`) on first use. Given by an integration (``celery_guard.contrib.django``).
+AtomicFactory = Callable[["Execution", dict[str, Any]], AbstractContextManager[Any]]
 
 
 class Execution:
@@ -34,9 +61,14 @@ class Execution:
         attempts: int,
         claim_reason: str | None,
         lease: Lease | None = None,
+        atomic: AtomicFactory | None = None,
     ) -> None:
         self._store = store
         self._lease = lease
+        self._atomic = atomic
+        self._joined: JoinedTransaction | None = None
+        #: The joined transaction's misuse, kept once it has ended.
+        self._joined_misuse: TransactionMisuse | None = None
         self._connection: Connection | None = None
         self._transaction: RootTransaction | None = None
         self._finished = False
@@ -107,6 +139,8 @@ class Execution:
         """
         if self._finished:
             raise GuardError("self.guard.transaction() was used after the task body returned")
+        if self._joined is not None:
+            raise TransactionMisuse(_BOTH)
         if self._connection is None:
             self._connection = self._store.connect(on_boundary=self._on_boundary)
             self._ending = False
@@ -116,6 +150,42 @@ class Execution:
         except BaseException:
             self.abort()
             raise
+
+    def atomic(self, **options: Any) -> AbstractContextManager[Any]:
+        """The body's transaction on a framework's own connection, joined to the completion.
+
+        With ``celery_guard.contrib.django`` it is ``django.db.transaction.atomic`` on the
+        store's database alias: the ORM writes in it, the key's COMPLETED marker and its result
+        commit together when the body returns, or not at all (docs/django.md).
+        """
+        if self._finished:
+            raise GuardError("self.guard.atomic() was used after the task body returned")
+        if self._atomic is None:
+            raise ConfigurationError(
+                "self.guard.atomic() needs a framework integration: for Django, call "
+                "celery_guard.contrib.django.install(app) instead of celery_guard.install(app) "
+                "(docs/django.md); without one, use self.guard.transaction()"
+            )
+        return self._atomic(self, options)
+
+    def join(self, transaction: JoinedTransaction) -> None:
+        """Have the completion marker commit in ``transaction`` (an integration's ``atomic()``).
+
+        One per execution, and not beside :meth:`transaction`: the marker can commit in only
+        one of them.
+        """
+        if self._finished:
+            raise GuardError("self.guard.atomic() was used after the task body returned")
+        if self._connection is not None:
+            raise TransactionMisuse(_BOTH)
+        if self._joined is not None and self._joined is not transaction:
+            raise GuardError("this execution has joined another transaction already")
+        self._joined = transaction
+
+    @property
+    def joined(self) -> JoinedTransaction | None:
+        """The transaction :meth:`join` was given and that has not ended yet, if any."""
+        return self._joined
 
     @contextmanager
     def session(self, **options: Any) -> Iterator[Session]:
@@ -144,7 +214,11 @@ class Execution:
     @property
     def misuse(self) -> TransactionMisuse | None:
         """The error for the body's attempt to end the guard's transaction, if it made one."""
-        return None if self._misuse is None else TransactionMisuse(_MISUSE[self._misuse])
+        if self._misuse is not None:
+            return TransactionMisuse(_MISUSE[self._misuse])
+        if self._joined is not None:
+            return self._joined.misuse
+        return self._joined_misuse
 
     def _on_boundary(self, action: str) -> None:
         """Called by the store before a transaction on the body's connection ends."""
@@ -156,7 +230,7 @@ class Execution:
     def finish(self, result: str, retention: float | None) -> None:
         """Commit the body's writes and, for a guarded execution, the COMPLETED marker."""
         self._finished = True
-        connection, transaction = self._connection, self._transaction
+        connection, transaction, joined = self._connection, self._transaction, self._joined
         try:
             # A lease known to be lost refuses the commit even if no one has taken over yet:
             # the reaper may already be re-publishing the key.
@@ -167,7 +241,13 @@ class Execution:
                 raise misuse
             if connection is not None and self._store.transaction_failed(connection):
                 raise TransactionMisuse(_FAILED_STATEMENT)
-            if self.key is not None and self.fencing_token is not None:
+            if joined is not None:
+                if self.key is not None and self.fencing_token is not None:
+                    joined.complete(self.key, self.fencing_token, result, retention)
+                self._ending = True
+                joined.commit()
+                self._committed = True
+            elif self.key is not None and self.fencing_token is not None:
                 self._store.complete(
                     self.key, self.fencing_token, result, retention, connection=connection
                 )
@@ -190,6 +270,11 @@ class Execution:
         connection, transaction = self._connection, self._transaction
         self._connection = self._transaction = None
         self._ending = True
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            self._joined_misuse = self._joined_misuse or joined.misuse
+            if not self._committed:
+                joined.rollback()
         try:
             if transaction is not None and transaction.is_active:
                 transaction.rollback()
@@ -220,6 +305,10 @@ _MISUSE = {
         "execution, raise from the body (an ORM Session joins through self.guard.session())"
     ),
 }
+_BOTH = (
+    "self.guard.transaction() and self.guard.atomic() were both used in one execution: the "
+    "COMPLETED marker commits in only one transaction, so use one of them"
+)
 _FAILED_STATEMENT = (
     "a statement failed inside self.guard.transaction() and the body caught its error: the "
     "database has aborted the transaction, so nothing of this execution can commit. Wrap a "

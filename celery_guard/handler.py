@@ -26,7 +26,7 @@ from celery_guard.errors import (
     StoreError,
     TransactionMisuse,
 )
-from celery_guard.execution import Execution
+from celery_guard.execution import AtomicFactory, Execution
 from celery_guard.keys import KeySource
 from celery_guard.lease.backends import LeaseBackend
 from celery_guard.lease.heartbeat import Heartbeat, Lease
@@ -153,7 +153,10 @@ class GuardHandler:
         liveness: ProcessLiveness | None = None,
         rng: random.Random | None = None,
         max_payload_bytes: int | None = None,
+        atomic: AtomicFactory | None = None,
     ) -> None:
+        #: What ``self.guard.atomic()`` opens (a framework integration's), or ``None``.
+        self.atomic = atomic
         self.liveness = liveness
         #: Largest result (JSON bytes) a completion stores; ``None``: no bound.
         self.max_payload_bytes = max_payload_bytes
@@ -261,6 +264,7 @@ class GuardHandler:
             attempts=record.attempts,
             claim_reason=record.claim_reason,
             lease=lease,
+            atomic=self.atomic,
         )
         logger.debug(
             "celery_guard claimed key=%s token=%s attempts=%s reason=%s",

@@ -7,7 +7,8 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery, signals
@@ -20,6 +21,7 @@ from celery_guard.circuit import Circuit
 from celery_guard.config import GuardConfig
 from celery_guard.deadletters import DeadLetterSink
 from celery_guard.errors import ConfigurationError, StoreError
+from celery_guard.execution import AtomicFactory
 from celery_guard.handler import GuardHandler
 from celery_guard.keys import HEADER_KEY, key_from_option
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
@@ -34,6 +36,24 @@ from celery_guard.task import GuardedTask, TaskRuntime
 from celery_guard.worker_state import StateTracker
 
 logger = logging.getLogger("celery_guard")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Integration:
+    """What a framework integration adds to an app's runtime (``celery_guard.contrib.django``).
+
+    Given to :func:`install`; the core never imports the framework itself.
+    """
+
+    #: Names it by in errors ("Django").
+    name: str
+    #: Values for settings the app's config does not set (field name -> value).
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: Called with the settings read from the app's config; returns the settings to use (the
+    #: store's URL made from the framework's own database settings, for one).
+    configure: Callable[[GuardConfig], GuardConfig] | None = None
+    #: What ``self.guard.atomic()`` opens.
+    atomic: AtomicFactory | None = None
 
 
 @dataclass(frozen=True)
@@ -59,8 +79,15 @@ class GuardRuntime:
     setting raises :class:`ConfigurationError` from that first use, and from every later one.
     """
 
-    def __init__(self, app: Celery, config: GuardConfig | None = None) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        config: GuardConfig | None = None,
+        integration: Integration | None = None,
+    ) -> None:
         self.app = app
+        #: The framework integration it was installed with, if any.
+        self.integration = integration
         #: The settings to use instead of the app's (read when first needed when ``None``).
         self._given_config = config
         self._parts: _Parts | None = None
@@ -81,8 +108,18 @@ class GuardRuntime:
     def _build(self) -> _Parts:
         app = self.app
         config = self._given_config
+        integration = self.integration
         if config is None:
-            config = GuardConfig.from_celery_conf(app.conf, app.namespace)
+            defaults = integration.defaults if integration is not None else None
+            config = GuardConfig.from_celery_conf(app.conf, app.namespace, defaults)
+        if integration is not None and integration.configure is not None:
+            config = integration.configure(config)
+        elif config.database is not None:
+            raise ConfigurationError(
+                f"guard_database ({config.database!r}) names a Django database alias, read only "
+                "when the app is installed with celery_guard.contrib.django.install(app); "
+                "remove it, or install the Django integration (docs/django.md)"
+            )
         store = SqlStore(config)
         leases: LeaseBackend = (
             SqlLeases(store.keys)
@@ -107,6 +144,7 @@ class GuardRuntime:
                 else None
             ),
             max_payload_bytes=config.max_payload_bytes,
+            atomic=integration.atomic if integration is not None else None,
         )
         tracker = (
             PublishTracker(
@@ -176,19 +214,29 @@ class GuardRuntime:
         self.store.ensure_schema()
 
 
-def install(app: Celery) -> GuardRuntime:
+def install(app: Celery, integration: Integration | None = None) -> GuardRuntime:
     """Connect celery_guard to the app's publishes and worker lifecycle.
 
     Call it once, before a worker starts; before or after the app is configured
     (``config_from_object``), as the ``guard_*`` settings are read, and checked, when first
     needed: at worker start (a bad one stops the worker before it consumes), at the first
     publish, at the first task call. It does not touch the network or read the settings.
-    Calling it again returns the runtime already installed.
+    Calling it again returns the runtime already installed (with the same ``integration``;
+    another one is refused). Django projects call ``celery_guard.contrib.django.install(app)``,
+    which passes Django's integration.
     """
     existing = find_runtime(app)
     if isinstance(existing, GuardRuntime):
+        if existing.integration != integration:
+            had = existing.integration.name if existing.integration else "no integration"
+            wants = integration.name if integration else "no integration"
+            raise ConfigurationError(
+                f"celery_guard was installed on the Celery app {app.main!r} with {had} "
+                f"already; installing it again with {wants} would leave the two disagreeing "
+                "about where the store lives: call one install(app) only"
+            )
         return existing
-    runtime = GuardRuntime(app)
+    runtime = GuardRuntime(app, integration=integration)
     set_runtime(app, runtime)
     _mask_in_celery_views()
     metrics.connect_signals()

@@ -266,7 +266,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         runtime = _runtime(self.app)
         request = self.request
         if request.called_directly:
-            return self._call_directly(runtime.store.keys, args, kwargs)
+            return self._call_directly(runtime, args, kwargs)
         try:
             delivery = self._delivery(request, args, kwargs, runtime.config)
         except (InvalidIdempotencyKey, TypeError) as exc:
@@ -368,9 +368,17 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         finally:
             setattr(request, _EXECUTION_ATTRIBUTE, None)
 
-    def _call_directly(self, store: Any, args: Any, kwargs: Any) -> Any:
-        """A plain function call: no message, no key; ``self.guard.transaction()`` still works."""
-        execution = Execution(store, key=None, fencing_token=None, attempts=1, claim_reason=None)
+    def _call_directly(self, runtime: TaskRuntime, args: Any, kwargs: Any) -> Any:
+        """A plain function call: no message, no key; ``self.guard.transaction()`` and
+        ``atomic()`` still work."""
+        execution = Execution(
+            runtime.store.keys,
+            key=None,
+            fencing_token=None,
+            attempts=1,
+            claim_reason=None,
+            atomic=runtime.handler.atomic,
+        )
         _task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs)
         setattr(self.request, _EXECUTION_ATTRIBUTE, execution)

@@ -111,8 +111,7 @@ class Keys:
         caller commits; without it the marker is one autocommitted statement.
         """
         db = self.db
-        statement = _complete_statement(retention is not None)
-        parameters = {"p_key": key, "p_token": token, "p_result": result, "p_retention": retention}
+        statement, parameters = completion(key, token, result, retention)
         if connection is not None and db.dialect_name == "postgresql":
             rowcount = db.observed(
                 lambda: db.execute_in_transaction(connection, statement, parameters)
@@ -305,6 +304,16 @@ def end_ownership(state: str) -> Any:
 _RELEASE = end_ownership(RELEASED)
 
 _GET = select(keys).where(keys.c.key == bindparam("p_key"))
+
+
+def completion(
+    key: str, token: int, result: str, retention: float | None
+) -> tuple[Any, dict[str, Any]]:
+    """The completion marker (a token-checked UPDATE, Core) and its parameters: what
+    :meth:`Keys.complete` runs, and what an integration runs on its framework's own connection
+    (``celery_guard.contrib.django``). Exactly one row changes when ``token`` owns ``key``."""
+    parameters = {"p_key": key, "p_token": token, "p_result": result, "p_retention": retention}
+    return _complete_statement(retention is not None), parameters
 
 
 @functools.cache
