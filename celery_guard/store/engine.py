@@ -404,6 +404,7 @@ def wrap_error(exc: sa_exc.DBAPIError, config: GuardConfig) -> StoreError:
     if "no such table" in text or "UndefinedTable" in type(exc.orig).__name__:
         return StoreError(
             f"celery_guard tables are missing in {where}: run `celery -A <app> guard migrate` "
+            "(in a Django project with celery_guard.contrib.django: `python manage.py migrate`) "
             f"or set guard_create_tables = True ({first_line})"
         )
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
