@@ -10,12 +10,11 @@ without a database.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery_guard.errors import Fenced, StoreUnavailable
-from celery_guard.lease.backends import Acquisition
 from celery_guard.store.base import (
     ClaimOutcome,
     ClaimRequest,
@@ -255,29 +254,3 @@ class MemoryKeyStore:
             expires_at=entry.expires_at,
             republished_at=None,
         )
-
-
-class InRowLeases:
-    """The default lease backend's behaviour (``SqlLeases``): the claim is the lease."""
-
-    in_store = True
-
-    def __init__(self, store: MemoryKeyStore) -> None:
-        self.store = store
-
-    def acquire(self, key: str, ttl: float) -> Acquisition:
-        return Acquisition(acquired=True)
-
-    def renew_leases(
-        self,
-        leases: Iterable[tuple[str, int]],
-        ttl: float,
-        statuses: Mapping[str, str] | None = None,
-    ) -> set[str]:
-        return self.store.renew_leases(leases, ttl)
-
-    def release(self, key: str, handle: int | None) -> bool:
-        return False
-
-    def held(self, keys: list[str]) -> set[str]:
-        return set()

@@ -23,10 +23,11 @@ from celery_guard.errors import (
 from celery_guard.execution import Execution
 from celery_guard.handler import Delivery, DeliveryDeferred, GuardHandler, RetryLater
 from celery_guard.keys import KeySource
+from celery_guard.lease.backends import SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.policy import ErrorPolicy
 from celery_guard.store.base import ClaimRequest
-from tests.unit.memory_store import InRowLeases, MemoryKeyStore
+from tests.unit.memory_store import MemoryKeyStore
 
 LEASE_TTL = 10.0
 
@@ -44,7 +45,7 @@ def store() -> MemoryKeyStore:
 
 @pytest.fixture
 def handler(store: MemoryKeyStore) -> Iterator[GuardHandler]:
-    leases = InRowLeases(store)
+    leases = SqlLeases(store)  # leases in the rows, as by default: the claim takes them
     heartbeat = Heartbeat(leases, interval=3600.0)
     yield GuardHandler(
         store,
