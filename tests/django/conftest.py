@@ -28,6 +28,10 @@ from tests.rig.servers import PostgresServer, RedisServer
 _SQLITE_DIR = Path(tempfile.mkdtemp(prefix="django-shop-"))
 remove_at_exit(_SQLITE_DIR)  # after pytest-django has dropped the test databases
 
+# Read before anything imports the project's package, whose __init__ imports its Celery module,
+# which sets the variable (as Django projects do).
+_SETTINGS_MODULE_BEFORE = os.environ.get("DJANGO_SETTINGS_MODULE")
+
 if not settings.configured:
     from example_project.django_shop import settings as shop_settings
 
@@ -44,11 +48,10 @@ if not settings.configured:
         },
     }
     settings.configure(**values)
-    saved = os.environ.get("DJANGO_SETTINGS_MODULE")
     try:
         django.setup()  # imports the project's Celery app, whose module sets the variable
     finally:
-        if saved is None:
+        if _SETTINGS_MODULE_BEFORE is None:
             os.environ.pop("DJANGO_SETTINGS_MODULE", None)
 
 
