@@ -270,6 +270,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         if request.called_directly:
             return self._call_directly(runtime.store.keys, args, kwargs)
         try:
+            return self._deliver(runtime, request, args, kwargs)
+        finally:
+            runtime.circuit.tell()  # the delivery's store calls, to the metrics, at once
+
+    def _deliver(self, runtime: TaskRuntime, request: Any, args: Any, kwargs: Any) -> Any:
+        try:
             delivery = self._delivery(request, args, kwargs, runtime.config)
         except (InvalidIdempotencyKey, TypeError) as exc:
             # TypeError: UnserializableArguments, or arguments that do not fit the signature
