@@ -395,16 +395,13 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
 
     def _delivery(self, request: Any, args: Any, kwargs: Any, config: GuardConfig) -> Delivery:
         headers = request.headers or {}
-        try:
-            arguments: dict[str, Any] | None = bind_arguments(self.run, args, kwargs, strict=True)
-        except TypeError:
-            # A key option over the arguments raises this again below; a task-id or header key
-            # does not need them, and the body's call raises it (a permanent error).
-            arguments = None
         key, source = resolve_key(
             headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None),
             headers.get(HEADER_KEY_SOURCE) or getattr(request, HEADER_KEY_SOURCE, None),
-            lambda: self._key_from_option(args, kwargs, arguments),
+            # Binds the arguments only when the key is not in the headers (the producer
+            # computes an option's key): arguments that do not fit raise the TypeError the
+            # call would; with a task-id or header key, the body's call raises it (permanent).
+            lambda: self._key_from_option(args, kwargs),
             request.id,
         )
         try:
