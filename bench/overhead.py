@@ -16,7 +16,8 @@ transaction, then the ledger row in the guarded transaction):
   (``guard_lease_url``) and publish tracking (``guard_track_publishes``) besides the metrics.
 
 ``--variants`` adds ``floor1``: the floor with its claim inside the body's transaction (one
-commit per task), the ceiling of that design.
+commit per task), the ceiling of that design; and ``guarded_quiet``: ``GuardedTask`` with the
+metrics off (``guard_metrics_port = None``), what recording the metrics costs.
 
 Each runs against two PostgreSQL servers in turn (``--settings``): ``durable``, as production
 runs it (fsync, synchronous_commit and full_page_writes on: every commit waits for its WAL
@@ -86,7 +87,7 @@ def heading_for(concurrency: int) -> str:
 
 
 KINDS = ("noop", "credit")
-ALL_VARIANTS = ("plain", "floor", "floor1", "guarded", "guarded_full")
+ALL_VARIANTS = ("plain", "floor", "floor1", "guarded", "guarded_quiet", "guarded_full")
 DEFAULT_VARIANTS = ("plain", "floor", "guarded", "guarded_full")
 SETTINGS = ("durable", "fast")
 #: Redis database the full variant's leases live in (0: broker, 1: completion counter).
@@ -96,6 +97,7 @@ VARIANT_TITLES = {
     "floor": "floor (bench/floor.py)",
     "floor1": "floor, claim in the body's transaction",
     "guarded": "GuardedTask, defaults",
+    "guarded_quiet": "GuardedTask, metrics off (guard_metrics_port None)",
     "guarded_full": "GuardedTask, Redis leases + publish tracking + metrics",
 }
 
@@ -107,6 +109,8 @@ def task_name(variant: str, kind: str) -> str:
 
 def variant_env(variant: str, redis_server: RedisServer) -> dict[str, str]:
     """What a variant's worker gets on top of the common environment."""
+    if variant == "guarded_quiet":
+        return {"BENCH_GUARD_CONF": json.dumps({"guard_metrics_port": None})}
     if variant != "guarded_full":
         return {"BENCH_GUARD_CONF": ""}
     conf = {"guard_lease_url": redis_server.url_for(LEASE_DB), "guard_track_publishes": True}
@@ -128,7 +132,10 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated, of {', '.join(ALL_VARIANTS)} (default: all but floor1)",
+        help=(
+            f"comma-separated, of {', '.join(ALL_VARIANTS)} "
+            f"(default: {', '.join(DEFAULT_VARIANTS)})"
+        ),
     )
     parser.add_argument(
         "--settings", default=",".join(SETTINGS), help="PostgreSQL settings to run: durable,fast"
@@ -401,7 +408,10 @@ def measure_in_process(
     """
     reset_database(postgres.url)
     row_ids = itertools.count(1)
-    names = [f"{v}_{k}" for k in KINDS for v in variants if v != "guarded_full"]
+    # The worker-only variants' options are the worker's; in-process they are the defaults'.
+    names = [
+        f"{v}_{k}" for k in KINDS for v in variants if v in ("plain", "floor", "floor1", "guarded")
+    ]
 
     def apply(name: str, count: int) -> None:
         variant, kind = name.rsplit("_", 1)

@@ -239,7 +239,8 @@ def install(app: Celery, integration: Integration | None = None) -> GuardRuntime
     runtime = GuardRuntime(app, integration=integration)
     set_runtime(app, runtime)
     _mask_in_celery_views()
-    metrics.connect_signals()
+    # The other recorders are connected at worker start, when the settings say metrics are on.
+    metrics.connect_state_signals()
     signals.before_task_publish.connect(
         _stamp_publish_time, weak=False, dispatch_uid="celery_guard.published_at"
     )
@@ -330,8 +331,10 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
             # GuardStep raises it while the worker is set up, so the worker stops before it
             # consumes; raised here, Celery's signal would only log it and go on.
             return
-        # Before the pool forks: every child writes its metrics where the main process reads.
+        # Before the pool forks: every child writes its metrics where the main process reads,
+        # and records them only when they are served.
         metrics.enable_multiprocess()
+        metrics.connect_signals(config.metrics_port is not None)
         if config.create_tables:
             # Once in the main process, before the pool forks, so children do not race to
             # create the same tables; then drop the connection so no child inherits it.

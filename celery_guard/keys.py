@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import string
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from celery.utils.functional import head_from_fun
@@ -211,6 +212,95 @@ def payload_fingerprint(task_name: str, arguments: Mapping[str, Any]) -> str:
             f"{exc}"
         ) from exc
     return hashlib.sha256(encoded).hexdigest()
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A delivery's arguments serialized once, as canonical JSON.
+
+    Its fingerprint (:func:`payload_fingerprint` of the bound arguments) and the texts of its
+    positional and keyword arguments, which the stored message splices in as they are
+    (:func:`celery_guard.messages.from_request`).
+    """
+
+    fingerprint: str
+    #: Canonical JSON of the positional arguments (a list) and of the keyword arguments.
+    args_json: str
+    kwargs_json: str
+
+
+class _Slot:
+    """Stands for one argument while the signature binds: binding moves slots, not values."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _value_text(value: Any) -> str:
+    if type(value) is int:  # the commonest argument, as json writes it (bool is not int here)
+        return int.__repr__(value)
+    return serialization.dumps(value, canonical=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def name_text(name: str) -> str:
+    """An object key as canonical JSON writes it (parameter names: a small, fixed set)."""
+    return serialization.dumps(name, canonical=True)
+
+
+def _joined_object(items: list[tuple[str, str]]) -> str:
+    # Canonical JSON sorts an object's keys as Python sorts the strings.
+    items.sort()
+    return "{" + ",".join([f"{name_text(name)}:{text}" for name, text in items]) + "}"
+
+
+def _bound_text(value: Any) -> str:
+    if type(value) is _Slot:
+        return value.text
+    if isinstance(value, tuple) and all(type(item) is _Slot for item in value):
+        return "[" + ",".join([item.text for item in value]) + "]"  # *args
+    if isinstance(value, dict) and all(type(item) is _Slot for item in value.values()):
+        return _joined_object([(name, item.text) for name, item in value.items()])  # **kwargs
+    return serialization.dumps(value, canonical=True)  # a default the signature applied
+
+
+def encode_payload(
+    task_name: str, fun: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Payload:
+    """Serialize a delivery's arguments once: the fingerprint and the stored message's texts.
+
+    Each argument is encoded once; the bound arguments' text (what the fingerprint hashes)
+    and the message's ``args``/``kwargs`` texts are joined from those pieces, giving exactly
+    the text :func:`canonical_json` gives for the whole (canonical text composes), so the
+    fingerprint equals ``payload_fingerprint(task_name, bind_arguments(fun, args, kwargs))``.
+    Raises :class:`UnserializableArguments` as :func:`payload_fingerprint` does.
+    """
+    try:
+        positional = [_Slot(_value_text(value)) for value in args]
+        named = {name: _Slot(_value_text(value)) for name, value in kwargs.items()}
+        args_json = "[" + ",".join([slot.text for slot in positional]) + "]"
+        kwargs_json = _joined_object([(name, slot.text) for name, slot in named.items()])
+        try:
+            bound = _signature(fun).bind(*positional, **named)
+        except (TypeError, ValueError):
+            # Keyed as sent, as bind_arguments does; the body's call raises the TypeError.
+            arguments_json = f'{{"args":{args_json},"kwargs":{kwargs_json}}}'
+        else:
+            bound.apply_defaults()
+            arguments_json = _joined_object(
+                [(name, _bound_text(value)) for name, value in bound.arguments.items()]
+            )
+        text = f'{{"arguments":{arguments_json},"task":{name_text(task_name)}}}'
+        # Lone surrogates pass json.dumps but no database stores them (UnicodeEncodeError).
+        encoded = text.encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise UnserializableArguments(
+            f"arguments of {task_name} cannot be fingerprinted, they must be JSON-serializable: "
+            f"{exc}"
+        ) from exc
+    return Payload(hashlib.sha256(encoded).hexdigest(), args_json, kwargs_json)
 
 
 def key_from_option(

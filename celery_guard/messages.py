@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from celery_guard import serialization
-from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE, KeySource, canonical_json
+from celery_guard.keys import (
+    HEADER_KEY,
+    HEADER_KEY_SOURCE,
+    KeySource,
+    Payload,
+    canonical_json,
+)
 
 #: The header every message carries from publish (stamped by celery_guard's publish hook):
 #: epoch seconds; queue lag, a queue's oldest-waiting age and publish tracking read it.
@@ -69,10 +75,24 @@ def _message(
     priority: Any,
 ) -> dict[str, Any]:
     return {
-        "task": task_name,
-        "id": task_id,
         "args": list(args or ()),
         "kwargs": dict(kwargs or {}),
+        **_envelope(task_name, task_id, headers, exchange, routing_key, priority),
+    }
+
+
+def _envelope(
+    task_name: str,
+    task_id: Any,
+    headers: dict[str, Any],
+    exchange: Any,
+    routing_key: Any,
+    priority: Any,
+) -> dict[str, Any]:
+    """A stored message but for its arguments."""
+    return {
+        "task": task_name,
+        "id": task_id,
         "headers": headers,
         "exchange": exchange,
         "routing_key": routing_key,
@@ -109,21 +129,35 @@ def _with_workflow(message: dict[str, Any], workflow: dict[str, Any]) -> str:
 
 
 def from_request(
-    task_name: str, request: Any, args: Any, kwargs: Any, key: str, source: KeySource
+    task_name: str, request: Any, payload: Payload, key: str, source: KeySource
 ) -> str:
-    """What re-publishing a delivery needs, stored with its claim (raises if not JSON)."""
+    """What re-publishing a delivery needs, stored with its claim (raises if not JSON).
+
+    The arguments go in as ``payload`` serialized them (once per delivery, with the
+    fingerprint): the text is what :func:`canonical_json` gives for the whole message, its
+    keys in sorted order, ``args`` and ``kwargs`` spliced in between the other fields.
+    """
     delivery_info = request.delivery_info or {}
-    message = _message(
-        task_name,
-        request.id,
-        args,
-        kwargs,
-        {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
-        delivery_info.get("exchange"),
-        delivery_info.get("routing_key"),
-        delivery_info.get("priority"),
-    )
-    return _with_workflow(message, _workflow(lambda name: getattr(request, name, None)))
+    before_kwargs = {  # sorted between "args" and "kwargs"
+        "exchange": delivery_info.get("exchange"),
+        "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
+        "id": request.id,
+    }
+    after_kwargs: dict[str, Any] = {
+        "priority": delivery_info.get("priority"),
+        "routing_key": delivery_info.get("routing_key"),
+        "task": task_name,
+    }
+    workflow = _workflow(lambda name: getattr(request, name, None))
+    head = f'{{"args":{payload.args_json},{canonical_json(before_kwargs)[1:-1]},"kwargs":'
+    if workflow:
+        try:
+            tail = canonical_json({**after_kwargs, "workflow": workflow})
+        except (TypeError, ValueError):
+            pass  # as in _with_workflow: re-published without it
+        else:
+            return f"{head}{payload.kwargs_json},{tail[1:]}"
+    return f"{head}{payload.kwargs_json},{canonical_json(after_kwargs)[1:]}"
 
 
 def from_undeliverable_request(task_name: str, request: Any, args: Any, kwargs: Any) -> str | None:

@@ -493,10 +493,10 @@ def record_executions(running: int = 0, fenced: int = 0, **_: Any) -> None:
     metrics["celery_guard_executions_fenced"].set(fenced)
 
 
-def record_store_call(ok: bool = True, timed_out: bool = False, **_: Any) -> None:
-    """``celery_guard.signals.store_call`` receiver: one store call made for a delivery."""
+def record_store_call(ok: bool = True, timed_out: bool = False, calls: int = 1, **_: Any) -> None:
+    """``celery_guard.signals.store_call`` receiver: ``calls`` store calls with one result."""
     result = "ok" if ok else ("timeout" if timed_out else "error")
-    process_metrics().child("celery_guard_store_calls", result).inc()
+    process_metrics().child("celery_guard_store_calls", result).inc(calls)
 
 
 def record_renewal_failed(reason: str = "", **_: Any) -> None:
@@ -567,19 +567,37 @@ _RECEIVERS: Final = (
     (signals.outcome, record_outcome),
     (signals.claimed, record_claim),
     (signals.store_call, record_store_call),
-    (signals.executions_changed, record_executions),
     (signals.lease_renewed, record_renewed),
     (signals.lease_renewal_failed, record_renewal_failed),
     (signals.heartbeat_round, record_heartbeat_round),
     (signals.lease_lost, record_lease_lost),
     (signals.reaper_pass, record_reaper_pass),
 )
+#: Recorded even without an endpoint: the worker's heartbeat row reads the running and fenced
+#: counts of its pool from these gauges (:func:`live_execution_counts`).
+_STATE_RECEIVERS: Final = ((signals.executions_changed, record_executions),)
+_DISPATCH_UID: Final = "celery_guard.metrics"
 
 
-def connect_signals() -> None:
-    """Subscribe the recorders to celery_guard's signals (idempotent)."""
+def connect_state_signals() -> None:
+    """Subscribe what the worker's own state needs (idempotent; ``install()`` does it)."""
+    for signal, receiver in _STATE_RECEIVERS:
+        signal.connect(receiver, weak=False, dispatch_uid=_DISPATCH_UID)
+
+
+def connect_signals(enabled: bool = True) -> None:
+    """Subscribe the recorders to celery_guard's signals, or unsubscribe them (idempotent).
+
+    A worker connects them at ``worker_init`` when it serves metrics (``guard_metrics_port``
+    set), before the pool forks; with no endpoint nothing is recorded, and a signal without
+    receivers costs its sender next to nothing.
+    """
+    connect_state_signals()
     for signal, receiver in _RECEIVERS:
-        signal.connect(receiver, weak=False, dispatch_uid="celery_guard.metrics")
+        if enabled:
+            signal.connect(receiver, weak=False, dispatch_uid=_DISPATCH_UID)
+        else:
+            signal.disconnect(receiver, dispatch_uid=_DISPATCH_UID)
 
 
 # -- what the worker's main process exports -----------------------------------------------------

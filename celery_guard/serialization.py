@@ -12,18 +12,23 @@ from typing import Any
 from celery.result import ResultBase, result_from_tuple
 from kombu import serialization as kombu_serialization
 from kombu.exceptions import EncodeError
+from kombu.utils.json import JSONEncoder
 from kombu.utils.json import dumps as _kombu_dumps
 from kombu.utils.json import loads as _kombu_loads
 
+#: kombu's encoder with the canonical options, built once: ``json.dumps`` would build one per
+#: call, and the hot path encodes every argument of every delivery.
+_CANONICAL = JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
 
 def dumps(value: Any, *, canonical: bool = False) -> str:
-    """JSON text; ``canonical`` sorts keys and drops spaces so equal values give equal text."""
+    """JSON text; ``canonical`` sorts keys and drops spaces so equal values give equal text.
+
+    Canonical text composes: a container's text is its items' texts joined as JSON joins
+    them (what :func:`celery_guard.keys.encode_payload` relies on to serialize once).
+    """
     if canonical:
-        return str(
-            _kombu_dumps(  # type: ignore[no-untyped-call]
-                value, sort_keys=True, separators=(",", ":"), ensure_ascii=False
-            )
-        )
+        return str(_CANONICAL.encode(value))
     return str(_kombu_dumps(value))  # type: ignore[no-untyped-call]
 
 

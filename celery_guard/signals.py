@@ -15,8 +15,10 @@ The others report the parts' own events; :mod:`celery_guard.metrics` subscribes 
 ``sender=None`` in the process where the event happened:
 
 ``store_call``
-    One store (or Redis lease) call made for a delivery: ``ok`` (bool, the store answered) and
-    ``timed_out`` (bool). Sent by the circuit's counter (:mod:`celery_guard.circuit`).
+    Store (or Redis lease) calls made for deliveries, ``calls`` (int) of them with one result:
+    ``ok`` (bool, the store answered) and ``timed_out`` (bool). Sent by the circuit's counter
+    (:mod:`celery_guard.circuit`) in batches, not per call: at the end of each delivery, and
+    at least every second while calls are made.
 ``executions_changed``
     This process's guarded executions changed: ``running`` and ``fenced`` (ints). Sent by
     :class:`celery_guard.worker_state.StateTracker`, twice per delivery that runs a body.

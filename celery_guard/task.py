@@ -32,8 +32,10 @@ from celery_guard.keys import (
     HEADER_KEY_SOURCE,
     KeyOption,
     KeySource,
+    Payload,
     bind_arguments,
     check_key_option,
+    encode_payload,
     key_from_option,
     payload_fingerprint,
     resolve_key,
@@ -268,6 +270,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         if request.called_directly:
             return self._call_directly(runtime, args, kwargs)
         try:
+            return self._deliver(runtime, request, args, kwargs)
+        finally:
+            runtime.circuit.tell()  # the delivery's store calls, to the metrics, at once
+
+    def _deliver(self, runtime: TaskRuntime, request: Any, args: Any, kwargs: Any) -> Any:
+        try:
             delivery = self._delivery(request, args, kwargs, runtime.config)
         except (InvalidIdempotencyKey, TypeError) as exc:
             # TypeError: UnserializableArguments, or arguments that do not fit the signature
@@ -395,31 +403,26 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
 
     def _delivery(self, request: Any, args: Any, kwargs: Any, config: GuardConfig) -> Delivery:
         headers = request.headers or {}
-        try:
-            arguments: dict[str, Any] | None = bind_arguments(self.run, args, kwargs, strict=True)
-        except TypeError:
-            # A key option over the arguments raises this again below; a task-id or header key
-            # does not need them, and the body's call raises it (a permanent error).
-            arguments = None
         key, source = resolve_key(
             headers.get(HEADER_KEY) or getattr(request, HEADER_KEY, None),
             headers.get(HEADER_KEY_SOURCE) or getattr(request, HEADER_KEY_SOURCE, None),
-            lambda: self._key_from_option(args, kwargs, arguments),
+            # Binds the arguments only when the key is not in the headers (the producer
+            # computes an option's key): arguments that do not fit raise the TypeError the
+            # call would; with a task-id or header key, the body's call raises it (permanent).
+            lambda: self._key_from_option(args, kwargs),
             request.id,
         )
         try:
-            fingerprint: str | None = payload_fingerprint(
-                self.name,
-                bind_arguments(self.run, args, kwargs) if arguments is None else arguments,
-            )
+            # Serialized once: the fingerprint and the stored message share the texts.
+            payload: Payload | None = encode_payload(self.name, self.run, args, kwargs)
         except GuardError:
             if source is not KeySource.TASK_ID:
                 raise
             # A task-id key never compares payloads; pickled arguments are fine there.
-            fingerprint = None
+            payload = None
         message = (
-            messages.from_request(self.name, request, args, kwargs, key, source)
-            if fingerprint is not None
+            messages.from_request(self.name, request, payload, key, source)
+            if payload is not None
             else None
         )
         size = None if message is None else oversize(message, config.max_payload_bytes)
@@ -440,7 +443,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             task_name=self.name,
             key=key,
             key_source=source,
-            fingerprint=fingerprint,
+            fingerprint=None if payload is None else payload.fingerprint,
             message=message,
             retention=config.result_ttl if retention is _UNSET else retention,
             hard_deadline=config.hard_deadline or hard_limit or None,
@@ -454,7 +457,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             max_attempts=(config.max_attempts if self.max_attempts is _UNSET else self.max_attempts)
             + max(0, (request.retries or 0) - _guard_retries(request, headers)),
             celery_retries_for=tuple(getattr(self, "autoretry_for", ()) or ()),
-            owner=f"{request.hostname or socket.gethostname()}/{os.getpid()}",
+            owner=_owner(request.hostname),
             deferrals=int(headers.get(HEADER_DEFERRALS) or 0),
             due_at=_due_at(request, headers),
             encode_result=self._results.dumps,
@@ -519,6 +522,19 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             return rejected
         retry: BaseException = Retry(str(deferred), when=deferred.countdown, sig=signature)
         return retry
+
+
+#: This process's owner strings by worker hostname; emptied in a forked child (a new pid).
+_owners: dict[str | None, str] = {}
+os.register_at_fork(after_in_child=_owners.clear)
+
+
+def _owner(hostname: str | None) -> str:
+    """``<worker hostname>/<pid>``: who holds a claim (the reaper's liveness checks read it)."""
+    owner = _owners.get(hostname)
+    if owner is None:
+        owner = _owners[hostname] = f"{hostname or socket.gethostname()}/{os.getpid()}"
+    return owner
 
 
 def _guard_retries(request: Any, headers: dict[str, Any]) -> int:

@@ -44,6 +44,10 @@ logger = logging.getLogger("celery_guard.circuit")
 
 #: Seconds between two looks at the shared state while a delivery waits for the circuit.
 HOLD_POLL = 0.05
+#: Seconds at most between two ``store_call`` signals while store calls are made.
+TELL_EVERY = 1.0
+#: (ok, timed_out) of the three results, in the order :meth:`Circuit.record` counts them.
+_RESULTS = ((True, False), (False, False), (False, True))
 
 
 class Monitor(Protocol):
@@ -74,6 +78,9 @@ class Circuit:
         self.monitor: Monitor | None = None
         self._recording = False
         self._slot = 0
+        #: Store calls counted but not yet told to the metrics: ok, error, timeout.
+        self._untold = [0, 0, 0]
+        self._told_at = 0.0
         # Private to this process: guards this process's slot against its own threads (the
         # body's thread and the heartbeat). Never shared with another process.
         self._lock = threading.Lock()
@@ -101,6 +108,7 @@ class Circuit:
     def on_child_start(self) -> None:
         """Prefork child, ``worker_process_init``: count this child's calls in its own slot."""
         self._lock = threading.Lock()  # whatever the parent's was doing when it forked
+        self._untold = [0, 0, 0]  # the parent's, not this child's
         self._recording = True  # the metrics count store calls even with the circuit off
         if self.block is not None:
             self._slot = self.block.slot_for(current_process_index(base=1) or 0)
@@ -126,12 +134,32 @@ class Circuit:
         """
         if not self._recording or getattr(self._local, "quiet", False):
             return
-        signals.store_call.send(None, ok=ok, timed_out=timed_out)
         block = self.block
-        if block is None:
-            return
         with self._lock:
-            block.add(self._slot, failed=not ok, timed_out=timed_out, seconds=seconds)
+            self._untold[0 if ok else 2 if timed_out else 1] += 1
+            if block is not None:
+                block.add(self._slot, failed=not ok, timed_out=timed_out, seconds=seconds)
+            due = time.monotonic() - self._told_at >= TELL_EVERY
+        if due:
+            self.tell()
+
+    def tell(self) -> None:
+        """Send the store calls counted since the last time as ``store_call`` signals.
+
+        One signal per result with the number of calls (``calls``), not one per call: the
+        handler's delivery tells at its end (:class:`celery_guard.task.GuardedTask`), and
+        :meth:`record` tells when :data:`TELL_EVERY` seconds have passed (a long body's
+        renewals, an in-process pool's reaper), so the counters lag by a second at most.
+        """
+        untold = self._untold
+        if not (untold[0] or untold[1] or untold[2]):
+            return  # read without the lock: a call counted meanwhile is told next time
+        with self._lock:
+            counts, self._untold = self._untold, [0, 0, 0]
+            self._told_at = time.monotonic()
+        for (ok, timeout), calls in zip(_RESULTS, counts, strict=True):
+            if calls:
+                signals.store_call.send(None, ok=ok, timed_out=timeout, calls=calls)
 
     @contextmanager
     def unrecorded(self) -> Iterator[None]:

@@ -13,7 +13,8 @@ through its protocol in :mod:`celery_guard.store.base`.
 from __future__ import annotations
 
 import functools
-import uuid
+import itertools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,6 +57,25 @@ DEAD = KeyState.DEAD.value
 SQL = texts("celery_guard.store.queries", "keys.sql")
 
 
+class _ClaimIds:
+    """Unique claim ids without a random draw per claim: this process's random prefix and a
+    counter (32 hex digits, as a uuid4's hex), drawn again in a forked child."""
+
+    def __init__(self) -> None:
+        self._start()
+        os.register_at_fork(after_in_child=self._start)
+
+    def _start(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter):016x}"
+
+
+_claim_ids = _ClaimIds()
+
+
 class Keys:
     """The idempotency keys: one delivery's claim, completion and release, and the key reads."""
 
@@ -72,7 +92,7 @@ class Keys:
         only for a DEAD key and its ``result`` only for a COMPLETED one (``None`` otherwise):
         what the handler reads, without sending the stored texts back on every claim.
         """
-        claim_id = uuid.uuid4().hex
+        claim_id = _claim_ids.next()
         statement = _claim_statement(
             self.db.dialect_name, request.check_fingerprint, request.external_token is not None
         )

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
+from prometheus_client import multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
 import celery_guard
@@ -312,3 +313,38 @@ def test_a_worker_with_200_task_names_stays_within_the_series_budget(scene: Scen
     assert len(text.encode()) <= BYTES_PER_TASK * len(names) + BYTES_PER_WORKER
     # Measured here: 0.25 s on 2 loaded cores; Prometheus's default scrape_timeout is 10 s.
     assert seconds < 5, f"a scrape took {seconds:.2f} s"
+
+
+def recorded(directory: Path) -> Samples:
+    """What a worker's processes recorded in their multiprocess files (summed as a scrape does)."""
+    collector = multiprocess.MultiProcessCollector(None, str(directory))
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in collector.collect()
+        for sample in family.samples
+    }
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["endpoint", "no-endpoint"])
+def test_metrics_are_recorded_only_by_a_worker_that_serves_them(
+    scene: Scene, tmp_path: Path, served: bool
+) -> None:
+    directory = tmp_path / f"prometheus-{served}"
+    directory.mkdir()
+    env = {**scene.env, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    if not served:
+        del env["CG_METRICS_PORT"]
+    (worker,) = start_workers(1, env, queues=scene.queue, concurrency=1)
+    scene.workers.append(worker)
+    tag = uuid.uuid4().hex[:10]
+    assert scene.send("shop.record", f"off-{tag}").get(timeout=30)["tag"] == f"off-{tag}"
+    # The gauges the worker's heartbeat row reads are written either way.
+    samples = recorded(directory)
+    assert any(name == "celery_guard_executions_running" for name, _ in samples)
+    completed = value(samples, "celery_guard_tasks_total", task="shop.record", outcome="completed")
+    calls = value(samples, "celery_guard_store_calls_total", result="ok")
+    if served:
+        assert completed == 1
+        assert calls >= 2  # the claim and the completion at least, told at the delivery's end
+    else:
+        assert completed == 0 and calls == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from typing import Any
 
@@ -98,6 +99,49 @@ def test_release_lets_the_next_delivery_retry_with_a_newer_token(store: SqlStore
     assert (retry.record.attempts, retry.record.fencing_token) == (2, 2)
     assert retry.record.claim_reason == "RETRY"
     assert not store.keys.release("k", token, "stale owner"), "an old token cannot release"
+
+
+def test_each_claim_stores_its_own_message_and_a_same_message_retry_keeps_the_stored_one(
+    store: SqlStore,
+) -> None:
+    first = '{"task": "tests.task", "id": "a"}'
+    token = store.keys.claim(request(message=first)).record.fencing_token
+    store.keys.release("k", token, "boom")
+    token = store.keys.claim(request(message=first)).record.fencing_token
+    assert (stored := store.keys.get("k")) is not None and stored.message == first
+    store.keys.release("k", token, "boom")
+    # Another delivery of the key (another task id, or its place in a workflow): its message.
+    second = '{"task": "tests.task", "id": "b", "workflow": {"link": []}}'
+    token = store.keys.claim(request(message=second)).record.fencing_token
+    assert (stored := store.keys.get("k")) is not None and stored.message == second
+    store.keys.release("k", token, "boom")
+    store.keys.claim(request(message=None))  # above guard_max_payload_bytes: none stored
+    assert (stored := store.keys.get("k")) is not None and stored.message is None
+
+
+def test_a_same_message_retry_writes_no_new_copy_of_a_large_message(pg_url: str) -> None:
+    store = SqlStore(GuardConfig(store_url=pg_url))
+    store.ensure_schema()
+    key = f"toast-{free_port()}"
+    # Random, so it does not compress into the row: stored out of line (TOAST).
+    message = '{"args": ["' + os.urandom(40_000).hex() + '"]}'
+    size = text(
+        "SELECT pg_relation_size(reltoastrelid) FROM pg_class WHERE relname = 'celery_guard_keys'"
+    )
+    try:
+        token = store.keys.claim(request(key, message=message)).record.fencing_token
+        store.keys.release(key, token, "boom")
+        with store.db.ready_engine().connect() as connection:
+            before = connection.execute(size).scalar_one()
+        for _ in range(3):
+            claim = store.keys.claim(request(key, message=message))
+            assert claim.record.claim_reason == "RETRY"
+            store.keys.release(key, claim.record.fencing_token, "boom")
+        with store.db.ready_engine().connect() as connection:
+            assert connection.execute(size).scalar_one() == before
+        assert (stored := store.keys.get(key)) is not None and stored.message == message
+    finally:
+        store.dispose()
 
 
 def test_expired_lease_is_taken_over_and_the_old_owner_is_fenced(store: SqlStore) -> None:

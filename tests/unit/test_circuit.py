@@ -412,3 +412,54 @@ def test_calls_count_only_where_deliveries_run() -> None:
     with circuit.unrecorded():  # the monitor's probes
         circuit.observe(0.01, None)
     assert circuit.block.totals() == Totals(calls=2, failures=1, timeouts=1, latency=0.03)
+
+
+def test_store_calls_reach_the_metrics_in_batches_per_result_and_none_is_lost() -> None:
+    circuit = Circuit(GuardConfig(store_timeout=1.0))
+    circuit.on_worker_init()
+    circuit.record_in_this_process()
+    assert circuit.block is not None
+    told: list[tuple[bool, bool, int]] = []
+
+    def receiver(ok: bool = True, timed_out: bool = False, calls: int = 1, **_: Any) -> None:
+        told.append((ok, timed_out, calls))
+
+    signals.store_call.connect(receiver, weak=False, dispatch_uid="test-batches")
+    try:
+        circuit.record(True, False, 0.001)  # the first call is told at once (nothing told yet)
+        assert told == [(True, False, 1)]
+        for _ in range(5):
+            circuit.record(True, False, 0.001)
+        circuit.record(False, True, 1.0)
+        circuit.record(False, False, 0.01)
+        assert told == [(True, False, 1)]  # held: within a second of the last telling
+        circuit.tell()  # the end of a delivery
+        assert sorted(told[1:]) == [(False, False, 1), (False, True, 1), (True, False, 5)]
+        circuit.tell()
+        assert len(told) == 4  # nothing new, nothing sent
+        assert circuit.block.totals().calls == 8  # the breaker counts every call at once
+    finally:
+        signals.store_call.disconnect(receiver, dispatch_uid="test-batches")
+
+
+def test_held_store_calls_are_told_once_a_second_has_passed(monkeypatch: Any) -> None:
+    circuit = Circuit(GuardConfig())
+    circuit.record_in_this_process()
+    told: list[int] = []
+
+    def receiver(calls: int = 1, **_: Any) -> None:
+        told.append(calls)
+
+    signals.store_call.connect(receiver, weak=False, dispatch_uid="test-held")
+    now = [5000.0]
+    monkeypatch.setattr("celery_guard.circuit.time.monotonic", lambda: now[0])
+    try:
+        circuit.record(True, False, 0.0)
+        circuit.record(True, False, 0.0)
+        circuit.record(True, False, 0.0)
+        assert told == [1]
+        now[0] += 1.0  # a long body's renewals: no delivery ends to tell them
+        circuit.record(True, False, 0.0)
+        assert told == [1, 3]
+    finally:
+        signals.store_call.disconnect(receiver, dispatch_uid="test-held")

@@ -14,7 +14,9 @@ from celery_guard.errors import ConfigurationError, UnserializableArguments
 from celery_guard.keys import (
     bind_arguments,
     call_error,
+    canonical_json,
     check_key_option,
+    encode_payload,
     key_from_option,
     payload_fingerprint,
     validate_key,
@@ -180,3 +182,51 @@ def test_fingerprint_depends_only_on_bound_values(
         charge, (), {"currency": currency, "amount": amount, "order_id": order_id}
     )
     assert payload_fingerprint("t", by_position) == payload_fingerprint("t", by_name)
+
+
+def variadic(
+    a: object, b: object = 2, *rest: object, c: object, d: object = None, **extra: object
+) -> None:
+    """Every kind of parameter (positional or keyword, *args, keyword-only, **kwargs)."""
+
+
+#: Values an argument may take: what canonical JSON writes, nested, with kombu's types.
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.datetimes()
+    | st.uuids()
+    | st.decimals(allow_nan=False, allow_infinity=False),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+names = st.sampled_from(["c", "d", "zz", "b", "é", "extra_1", "a_"])
+
+
+@given(
+    args=st.lists(json_values, max_size=5),
+    kwargs=st.dictionaries(names, json_values, max_size=4),
+)
+def test_payload_serialized_once_gives_the_fingerprint_and_texts_of_separate_passes(
+    args: list[object], kwargs: dict[str, object]
+) -> None:
+    for fun in (variadic, charge):
+        payload = encode_payload("t", fun, args, kwargs)
+        bound = bind_arguments(fun, args, kwargs)
+        assert payload.fingerprint == payload_fingerprint("t", bound)
+        assert payload.args_json == canonical_json(list(args))
+        assert payload.kwargs_json == canonical_json(kwargs)
+
+
+def test_payload_refuses_what_the_fingerprint_refuses() -> None:
+    with pytest.raises(UnserializableArguments, match="JSON-serializable"):
+        encode_payload("t", charge, (object(), 1), {})
+    with pytest.raises(UnserializableArguments):
+        encode_payload("t", charge, (1, "\ud800"), {})  # a lone surrogate no database stores

@@ -11,6 +11,9 @@
 -- answers: owned (claim_id is ours), COMPLETED, in flight or a payload conflict.
 -- It returns the row but for the two texts, each only where the handler reads it: the stored
 -- message of a DEAD key (its failed task id), the result a duplicate answers with.
+-- A claim stores its delivery's message (what the reaper re-publishes); a RETRY or TAKEOVER
+-- whose message is the stored one keeps the stored value, so PostgreSQL writes a large
+-- (TOASTed) message once, not again with every claim of the key.
 INSERT INTO celery_guard_keys AS k (
     key, task_name, state, attempts, fencing_token, lease_expires_at, owner, owner_lock,
     claim_id, claim_reason, fingerprint, message, duplicates, created_at, updated_at)
@@ -35,7 +38,9 @@ ON CONFLICT (key) DO UPDATE SET (
              ELSE k.claim_reason END,
         CASE WHEN d.claim THEN excluded.task_name ELSE k.task_name END,
         CASE WHEN d.claim THEN excluded.fingerprint ELSE k.fingerprint END,
-        CASE WHEN d.claim THEN excluded.message ELSE k.message END,
+        CASE WHEN d.claim AND (k.message IS NULL OR excluded.message IS NULL
+                               OR excluded.message <> k.message)
+             THEN excluded.message ELSE k.message END,
         CASE WHEN d.claim THEN NULL ELSE k.result END,
         CASE WHEN d.claim THEN NULL ELSE k.completed_at END,
         CASE WHEN d.claim THEN NULL ELSE k.expires_at END,

@@ -1,0 +1,75 @@
+"""The stored message of a delivery, built with its arguments serialized once."""
+
+from __future__ import annotations
+
+import types
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_guard import messages, serialization
+from celery_guard.keys import (
+    HEADER_KEY,
+    HEADER_KEY_SOURCE,
+    KeySource,
+    canonical_json,
+    encode_payload,
+)
+
+
+def body(order_id: object, *lines: object, **options: object) -> None:
+    """A task body's signature."""
+
+
+def request(**fields: object) -> types.SimpleNamespace:
+    base: dict[str, object] = {
+        "id": "task-1",
+        "delivery_info": {"exchange": "", "routing_key": "orders", "priority": 3},
+    }
+    return types.SimpleNamespace(**{**base, **fields})
+
+
+def whole(req: types.SimpleNamespace, args: list[object], kwargs: dict[str, object]) -> str:
+    """The message as one canonical JSON pass over the whole dict writes it."""
+    message: dict[str, object] = {
+        "task": "shop.order",
+        "id": req.id,
+        "args": args,
+        "kwargs": kwargs,
+        "headers": {HEADER_KEY: "order:1", HEADER_KEY_SOURCE: "option"},
+        "exchange": "",
+        "routing_key": "orders",
+        "priority": 3,
+    }
+    workflow = messages._workflow(lambda name: getattr(req, name, None))
+    if workflow:
+        message["workflow"] = workflow
+    return canonical_json(message)
+
+
+@given(
+    args=st.lists(st.integers() | st.text() | st.none(), min_size=1, max_size=4),
+    kwargs=st.dictionaries(st.sampled_from(["a", "zz", "é", "kwargs"]), st.text(), max_size=3),
+    chained=st.booleans(),
+)
+def test_the_spliced_message_is_the_whole_message_canonical_json(
+    args: list[object], kwargs: dict[str, object], chained: bool
+) -> None:
+    workflow = (
+        {"chain": [{"task": "next", "args": [1]}], "root_id": "r", "parent_id": "p"}
+        if chained
+        else {}
+    )
+    req = request(**workflow)
+    payload = encode_payload("shop.order", body, args, kwargs)
+    text = messages.from_request("shop.order", req, payload, "order:1", KeySource.OPTION)
+    assert text == whole(req, args, kwargs)
+    assert ("workflow" in serialization.loads(text)) is chained
+
+
+def test_a_workflow_json_cannot_hold_is_left_out_as_before() -> None:
+    req = request(callbacks=[{"task": "next", "args": [object()]}])
+    payload = encode_payload("shop.order", body, [1], {})
+    text = messages.from_request("shop.order", req, payload, "order:1", KeySource.OPTION)
+    assert "workflow" not in serialization.loads(text)
+    assert text == whole(request(), [1], {})
