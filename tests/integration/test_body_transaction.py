@@ -76,6 +76,16 @@ def guarded(app: Celery, body: Callable[[Any, str], Any]) -> Any:
     return app.task(base=GuardedTask, bind=True, shared=False, idempotency_key="k:{tag}")(body)
 
 
+def assert_refused(app: Celery, body: Callable[[Any, str], Any]) -> None:
+    """The body's attempt is refused: nothing commits, and the key is dead after one run."""
+    task = guarded(app, body)
+    tag = uuid.uuid4().hex
+    with pytest.raises(TransactionMisuse):
+        task.delay(tag)
+    assert rows(app, tag) == 0
+    assert state(app, f"k:{tag}") == ("DEAD", 1)
+
+
 def write(connection: Any, tag: str, label: str | None = None) -> None:
     connection.execute(insert(notes).values(tag=tag, label=label))
 
@@ -127,12 +137,7 @@ def test_an_orm_session_in_control_fully_mode_cannot_commit(app: Celery) -> None
             session.add(Note(tag=tag))
             session.commit()
 
-    task = guarded(app, body)
-    tag = uuid.uuid4().hex
-    with pytest.raises(TransactionMisuse):
-        task.delay(tag)
-    assert rows(app, tag) == 0
-    assert state(app, f"k:{tag}") == ("DEAD", 1)
+    assert_refused(app, body)
 
 
 def test_a_default_session_rollback_is_refused(app: Celery) -> None:
@@ -143,12 +148,7 @@ def test_a_default_session_rollback_is_refused(app: Celery) -> None:
             session.flush()
             session.rollback()
 
-    task = guarded(app, body)
-    tag = uuid.uuid4().hex
-    with pytest.raises(TransactionMisuse):
-        task.delay(tag)
-    assert rows(app, tag) == 0
-    assert state(app, f"k:{tag}") == ("DEAD", 1)
+    assert_refused(app, body)
 
 
 def test_a_savepoint_undoes_its_part_only(app: Celery) -> None:
