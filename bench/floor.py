@@ -7,7 +7,10 @@ costs above what any durable claim must cost is visible apart from what the clai
 1. before the body, ONE ``INSERT ... ON CONFLICT ... DO UPDATE ... RETURNING token`` on a
    connection kept per process in autocommit, through a server-side prepared statement
    (psycopg ``prepare=True``); the row has a lease column, and a RUNNING row whose lease has
-   expired is taken over with the next token;
+   expired is taken over with the next token. Its commit does not wait for the WAL flush
+   (``synchronous_commit`` off for that transaction, as celery_guard's claim by default);
+   :attr:`FloorTask.claim_synchronous_commit` ``None`` makes it wait (``--variants
+   floor_flush``);
 2. the body's writes go through :meth:`FloorTask.transaction` (an SQLAlchemy connection from
    the bench's own engine, as the plain tasks use), and the token-checked ``UPDATE ... SET
    state = 'COMPLETED'`` runs inside that transaction, before its one COMMIT; a body that
@@ -61,14 +64,26 @@ def define_table(metadata: MetaData) -> Table:
 
 # Epoch seconds by the database's clock, as celery_guard's own columns are.
 _NOW = "extract(epoch from clock_timestamp())"
-CLAIM = (
-    f"INSERT INTO {FLOOR_KEYS} AS k (key, state, token, lease_expires_at) "
-    f"VALUES (%(key)s, 'RUNNING', 1, {_NOW} + %(lease)s) "
-    "ON CONFLICT (key) DO UPDATE SET state = 'RUNNING', token = k.token + 1, "
-    "lease_expires_at = excluded.lease_expires_at "
-    f"WHERE k.state = 'RUNNING' AND k.lease_expires_at <= {_NOW} "
-    "RETURNING token"
-)
+
+
+def claim_sql(synchronous_commit: str | None) -> str:
+    """The claim; with ``synchronous_commit`` ("off"), its own commit at that level, set in
+    its RETURNING as celery_guard's claim does (``guard_claim_synchronous_commit``)."""
+    level = (
+        f", set_config('synchronous_commit', '{synchronous_commit}', true)"
+        if synchronous_commit
+        else ""
+    )
+    return (
+        f"INSERT INTO {FLOOR_KEYS} AS k (key, state, token, lease_expires_at) "
+        f"VALUES (%(key)s, 'RUNNING', 1, {_NOW} + %(lease)s) "
+        "ON CONFLICT (key) DO UPDATE SET state = 'RUNNING', token = k.token + 1, "
+        "lease_expires_at = excluded.lease_expires_at "
+        f"WHERE k.state = 'RUNNING' AND k.lease_expires_at <= {_NOW} "
+        f"RETURNING token{level}"
+    )
+
+
 COMPLETE = (
     f"UPDATE {FLOOR_KEYS} SET state = 'COMPLETED', lease_expires_at = NULL "
     "WHERE key = %(key)s AND token = %(token)s AND state = 'RUNNING'"
@@ -109,6 +124,8 @@ class FloorTask(Task):  # type: ignore[misc]  # celery ships no type information
     acks_late = True
     reject_on_worker_lost = True
     one_commit: ClassVar[bool] = False
+    #: The claim's own commit level (``None``: the session's, which waits for the WAL flush).
+    claim_synchronous_commit: ClassVar[str | None] = "off"
     floor_key: ClassVar[str] = "{row_id}"
     dsn: ClassVar[str] = ""
     _kept = _PerProcess()
@@ -129,7 +146,8 @@ class FloorTask(Task):  # type: ignore[misc]  # celery ships no type information
         if self.one_commit:
             return self._call_one_commit(key, args, kwargs)
         kept = self._kept.get(self.dsn)
-        row = kept.execute(CLAIM, {"key": key, "lease": LEASE_SECONDS}, prepare=True).fetchone()
+        claim = claim_sql(self.claim_synchronous_commit)
+        row = kept.execute(claim, {"key": key, "lease": LEASE_SECONDS}, prepare=True).fetchone()
         if row is None:
             return None  # COMPLETED, or RUNNING under a live lease: skipped, acknowledged
         token = row[0]
@@ -154,7 +172,7 @@ class FloorTask(Task):  # type: ignore[misc]  # celery ships no type information
         try:
             driver = connection.connection.driver_connection
             row = driver.execute(
-                CLAIM, {"key": key, "lease": LEASE_SECONDS}, prepare=True
+                claim_sql(None), {"key": key, "lease": LEASE_SECONDS}, prepare=True
             ).fetchone()
             if row is None:
                 return None

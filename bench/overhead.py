@@ -15,7 +15,10 @@ transaction, then the ledger row in the guarded transaction):
 - ``guarded_full``: ``GuardedTask`` with every option that costs something on: Redis leases
   (``guard_lease_url``) and publish tracking (``guard_track_publishes``) besides the metrics.
 
-``--variants`` adds ``floor1``: the floor with its claim inside the body's transaction (one
+The floor's claim and GuardedTask's commit without waiting for their WAL flush (the default
+``guard_claim_synchronous_commit = "off"``); ``--variants`` adds ``floor_flush`` and
+``guarded_flush``, whose claims wait for it (two flushes per task instead of one), and
+``floor1``: the floor with its claim inside the body's transaction (one
 commit per task), the ceiling of that design; and ``guarded_quiet``: ``GuardedTask`` with the
 metrics off (``guard_metrics_port = None``), what recording the metrics costs.
 
@@ -87,7 +90,16 @@ def heading_for(concurrency: int) -> str:
 
 
 KINDS = ("noop", "credit")
-ALL_VARIANTS = ("plain", "floor", "floor1", "guarded", "guarded_quiet", "guarded_full")
+ALL_VARIANTS = (
+    "plain",
+    "floor",
+    "floor_flush",
+    "floor1",
+    "guarded",
+    "guarded_flush",
+    "guarded_quiet",
+    "guarded_full",
+)
 DEFAULT_VARIANTS = ("plain", "floor", "guarded", "guarded_full")
 SETTINGS = ("durable", "fast")
 #: Redis database the full variant's leases live in (0: broker, 1: completion counter).
@@ -95,7 +107,9 @@ LEASE_DB = 2
 VARIANT_TITLES = {
     "plain": "plain Celery",
     "floor": "floor (bench/floor.py)",
+    "floor_flush": "floor, its claim's commit waiting for the WAL flush",
     "floor1": "floor, claim in the body's transaction",
+    "guarded_flush": "GuardedTask, guard_claim_synchronous_commit None (the claim waits)",
     "guarded": "GuardedTask, defaults",
     "guarded_quiet": "GuardedTask, metrics off (guard_metrics_port None)",
     "guarded_full": "GuardedTask, Redis leases + publish tracking + metrics",
@@ -104,13 +118,18 @@ VARIANT_TITLES = {
 
 def task_name(variant: str, kind: str) -> str:
     """The bench task (bench/overhead_app.py TASKS) a variant runs for a task kind."""
-    return f"{'guarded' if variant.startswith('guarded') else variant}_{kind}"
+    family = variant if variant == "floor1" else variant.split("_")[0]
+    return f"{family}_{kind}"
 
 
 def variant_env(variant: str, redis_server: RedisServer) -> dict[str, str]:
     """What a variant's worker gets on top of the common environment."""
+    if variant == "floor_flush":
+        return {"BENCH_GUARD_CONF": "", "BENCH_FLOOR_CLAIM_COMMIT": ""}
     if variant == "guarded_quiet":
         return {"BENCH_GUARD_CONF": json.dumps({"guard_metrics_port": None})}
+    if variant == "guarded_flush":
+        return {"BENCH_GUARD_CONF": json.dumps({"guard_claim_synchronous_commit": None})}
     if variant != "guarded_full":
         return {"BENCH_GUARD_CONF": ""}
     conf = {"guard_lease_url": redis_server.url_for(LEASE_DB), "guard_track_publishes": True}
@@ -581,7 +600,11 @@ def render(
         "own). The floor (bench/floor.py) is the least a durable two-statement claim costs: one "
         "prepared `INSERT ... ON CONFLICT ... RETURNING` on a kept connection before the body, "
         "the COMPLETED `UPDATE` in the body's transaction, nothing else (no fencing beyond the "
-        "token, no renewal, retries, recovery, metrics).",
+        "token, no renewal, retries, recovery, metrics). The claims of *floor* and *guarded* "
+        "commit without waiting for their WAL flush (`synchronous_commit` off for the claim's "
+        "transaction: celery_guard's default `guard_claim_synchronous_commit`); the "
+        "completion's commit waits for it, and WAL is flushed in order, so it flushes the claim "
+        "too. *floor_flush* and *guarded_flush* wait at the claim as well.",
         "",
         "*Commits/task*: `pg_stat_database.xact_commit` deltas over each worker's whole life "
         "(its start-up and background statements included, read-only transactions too), "

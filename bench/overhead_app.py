@@ -146,6 +146,8 @@ class BenchFloor(FloorTask):  # type: ignore[misc]
     abstract = True
     dsn = STORE_URL.replace("postgresql+psycopg://", "postgresql://")
     engine = staticmethod(plain_engine)
+    # BENCH_FLOOR_CLAIM_COMMIT="" makes the floor's claim wait for its WAL flush (floor_flush).
+    claim_synchronous_commit = os.environ.get("BENCH_FLOOR_CLAIM_COMMIT", "off") or None
 
 
 class BenchOneCommitFloor(OneCommitFloorTask):  # type: ignore[misc]

@@ -54,6 +54,10 @@ DEFAULT_METRICS_PORT = 9819
 #: Default bound on the JSON celery_guard stores per delivery (message, result): 16 MiB.
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
+#: PostgreSQL's ``synchronous_commit`` levels, weakest first
+#: (https://www.postgresql.org/docs/15/runtime-config-wal.html#GUC-SYNCHRONOUS-COMMIT).
+SYNCHRONOUS_COMMIT_LEVELS = ("off", "local", "remote_write", "on", "remote_apply")
+
 
 @dataclass(frozen=True, kw_only=True)
 class GuardConfig:
@@ -70,6 +74,13 @@ class GuardConfig:
     #: Seconds any single store call may take (connect, lock wait, statement) before the delivery
     #: is treated as a coordination failure and tried again later.
     store_timeout: float = 5.0
+    #: PostgreSQL: the ``synchronous_commit`` level of the claim's own commit; ``None`` keeps the
+    #: session's. ``"off"`` lets the claim return without waiting for its WAL flush. A claim is
+    #: a lock, not an effect: the completion marker and dead letters still commit durably, and
+    #: WAL is flushed in order, so a durable completion makes its claim durable too. What a
+    #: database crash can lose is a claim younger than about three ``wal_writer_delay``; its
+    #: redelivery then claims again (docs/performance.md). Ignored on SQLite.
+    claim_synchronous_commit: str | None = "off"
     #: Seconds a claim's lease lasts; a RUNNING key whose lease expired may be taken over.
     lease_ttl: float = 10.0
     #: Seconds a COMPLETED key keeps deduplicating (per task: ``idempotency_ttl``). ``None`` keeps
@@ -191,6 +202,12 @@ class GuardConfig:
             )
         _check_number("guard_backoff_base", self.backoff_base, minimum=0.0)
         _check_number("guard_backoff_max", self.backoff_max, minimum=0.0)
+        if self.claim_synchronous_commit not in (None, *SYNCHRONOUS_COMMIT_LEVELS):
+            raise ConfigurationError(
+                "guard_claim_synchronous_commit must be None or one of "
+                f"{', '.join(map(repr, SYNCHRONOUS_COMMIT_LEVELS))}, got "
+                f"{self.claim_synchronous_commit!r}"
+            )
         if self.default_error_class not in ("transient", "permanent"):
             raise ConfigurationError(
                 "guard_default_error_class must be 'transient' or 'permanent', got "

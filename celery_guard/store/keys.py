@@ -93,8 +93,12 @@ class Keys:
         what the handler reads, without sending the stored texts back on every claim.
         """
         claim_id = _claim_ids.next()
+        db = self.db
         statement = _claim_statement(
-            self.db.dialect_name, request.check_fingerprint, request.external_token is not None
+            db.dialect_name,
+            request.check_fingerprint,
+            request.external_token is not None,
+            db.config.claim_synchronous_commit,
         )
         parameters = {
             "p_key": request.key,
@@ -108,7 +112,6 @@ class Keys:
         }
         if request.external_token is not None:
             parameters["p_external_token"] = request.external_token
-        db = self.db
         row = only_row(db.call(lambda: db.execute_hot(statement, parameters))[0])
         record = KeyRecord.from_mapping(row)
         return ClaimResult(
@@ -356,8 +359,13 @@ def _complete_statement(expires: bool) -> Any:
 
 
 @functools.cache
-def _claim_statement(dialect_name: str, check_fingerprint: bool, external_lease: bool) -> Any:
+def _claim_statement(
+    dialect_name: str, check_fingerprint: bool, external_lease: bool, synchronous_commit: str | None
+) -> Any:
     """The claim SQL for one variant, built once (SQLAlchemy then reuses its compiled form).
+
+    ``synchronous_commit`` (``guard_claim_synchronous_commit``, a validated PostgreSQL level)
+    is the claim's own commit level on PostgreSQL; ``None`` keeps the session's.
 
     A short text matters: psycopg parses queries over 4 KB on every execution, and a claim built
     from SQLAlchemy expressions repeated its condition in every column (13 KB).
@@ -378,6 +386,11 @@ def _claim_statement(dialect_name: str, check_fingerprint: bool, external_lease:
         next_token=next_token,
         lapsed=lapsed,
         same=SQL["same_payload"] if check_fingerprint else "TRUE",
+        claim_commit=(
+            SQL["claim_commit"].format(level=synchronous_commit)
+            if dialect_name == "postgresql" and synchronous_commit is not None
+            else ""
+        ),
     )
     typed = [bindparam("p_lease_ttl", type_=Double), bindparam("p_owner_lock", type_=BigInteger)]
     if external_lease:

@@ -68,7 +68,13 @@ RETURNING key, task_name, state, attempts, fencing_token, lease_expires_at, owne
     completed_at, expires_at, republished_at,
     CASE WHEN state = 'DEAD' THEN message END AS message,
     CASE WHEN state = 'COMPLETED' THEN result END AS result,
-    lease_expires_at - {now} AS lease_remaining
+    lease_expires_at - {now} AS lease_remaining{claim_commit}
+
+-- name: claim_commit
+-- PostgreSQL: the synchronous_commit level of the claim's own (autocommitted) transaction,
+-- set for that transaction only; evaluated in RETURNING, which every claim reaches (its upsert
+-- always returns its one row), and read by PostgreSQL when the statement commits.
+, set_config('synchronous_commit', '{level}', true) AS synchronous_commit
 
 -- name: first_token
 -- A new row's first token: above every token of the key's pruned rows (see prune_completed).
