@@ -28,6 +28,7 @@ FILES = [
             "external_next_token",
             "lapsed",
             "same_payload",
+            "claim_commit",
         },
     ),
     ("celery_guard.store.queries", "dead_letters.sql", {"advance_id_sequence"}),
@@ -62,13 +63,17 @@ def test_the_modules_hold_the_texts_they_run() -> None:
 @pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
 @pytest.mark.parametrize("check_fingerprint", [False, True])
 @pytest.mark.parametrize("external", [False, True])
+@pytest.mark.parametrize("synchronous_commit", ["off", None])
 def test_every_claim_variant_is_filled_in_and_short(
-    dialect: str, check_fingerprint: bool, external: bool
+    dialect: str, check_fingerprint: bool, external: bool, synchronous_commit: str | None
 ) -> None:
-    sql = keys._claim_statement(dialect, check_fingerprint, external).text
+    sql = keys._claim_statement(dialect, check_fingerprint, external, synchronous_commit).text
     assert "{" not in sql and "}" not in sql  # every placeholder filled
     assert "celery_guard.token_floor" in sql
     assert (":p_external_token" in sql) is external
+    # Only PostgreSQL has a commit level to set, and only when one is configured.
+    with_level = dialect == "postgresql" and synchronous_commit is not None
+    assert ("set_config('synchronous_commit', 'off', true)" in sql) is with_level
     # psycopg parses a query over 4 KB on every execution (keys._claim_statement).
     assert len(sql.encode()) < 4096
 
