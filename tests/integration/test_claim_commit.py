@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import text
 
 from celery_guard import ConfigurationError, GuardConfig
-from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore
+from celery_guard.store import SqlStore
+from tests.integration.claims import claim
 from tests.rig.servers import PostgresServer
 
 
@@ -44,18 +45,6 @@ def _store(url: str, level: str | None) -> SqlStore:
     return store
 
 
-def _request(key: str) -> ClaimRequest:
-    return ClaimRequest(
-        key=key,
-        task_name="t",
-        fingerprint=None,
-        check_fingerprint=False,
-        owner="test/1",
-        message=None,
-        lease_ttl=30.0,
-    )
-
-
 def _unflushed_bytes(observer: psycopg.Connection[tuple[int]]) -> int:
     row = observer.execute(
         "SELECT pg_current_wal_insert_lsn() - pg_current_wal_flush_lsn()"
@@ -74,8 +63,7 @@ def test_the_claim_waits_for_its_wal_flush_only_when_asked(
             observer.execute("CHECKPOINT")  # flushes everything before the claims
             unflushed = []
             for n in range(5):
-                claim = store.keys.claim(_request(f"{level}-{n}"))
-                assert claim.outcome is ClaimOutcome.CLAIMED
+                claim(store, f"{level}-{n}")  # asserts CLAIMED
                 unflushed.append(_unflushed_bytes(observer))
             if level is None:
                 assert unflushed == [0] * 5
@@ -90,10 +78,9 @@ def test_a_completion_is_durable_and_flushes_its_claim(durable_postgres: Postgre
     store = _store(durable_postgres.url, "off")
     try:
         with psycopg.connect(_dsn(durable_postgres.url), autocommit=True) as observer:
-            claim = store.keys.claim(_request("completed"))
-            assert claim.outcome is ClaimOutcome.CLAIMED
+            token = claim(store, "completed")
             assert _unflushed_bytes(observer) > 0
-            store.keys.complete("completed", claim.record.fencing_token, "null", 60.0)
+            store.keys.complete("completed", token, "null", 60.0)
             assert _unflushed_bytes(observer) == 0
             # The level was the claim's transaction's only: the claiming session still waits.
             rows, _ = store.db.execute_hot(text("SHOW synchronous_commit"), {})
@@ -106,8 +93,8 @@ def test_a_release_is_durable(durable_postgres: PostgresServer) -> None:
     store = _store(durable_postgres.url, "off")
     try:
         with psycopg.connect(_dsn(durable_postgres.url), autocommit=True) as observer:
-            claim = store.keys.claim(_request("released"))
-            assert store.keys.release("released", claim.record.fencing_token, "boom")
+            token = claim(store, "released")
+            assert store.keys.release("released", token, "boom")
             assert _unflushed_bytes(observer) == 0
     finally:
         store.dispose()
