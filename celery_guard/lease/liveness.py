@@ -1,15 +1,20 @@
 """Telling a dead worker process from a slow one, through PostgreSQL's advisory locks.
 
-Each worker process that runs guarded bodies holds a session-level advisory lock on a
-connection of its own. When the process dies (SIGKILL, the OOM killer), the kernel closes that
-socket, PostgreSQL ends the session and its locks go at once (docs/design.md). The reaper takes
-over the keys of owners whose lock is gone without waiting out their lease; fencing keeps that
-safe if the owner was in fact alive (its liveness connection had dropped). A frozen or
-partitioned process keeps its session, so it still waits out the TTL.
+A prefork worker's main process holds one session-level advisory lock, on a connection of its
+own, for the whole worker; its pool processes record that lock's id with each claim, without
+asking anyone (the id is known before the pool forks, and each renewal round's answer brings
+it up to date). A process that runs bodies outside a prefork pool (solo, threads, gevent) holds
+its own. When the worker dies whole (SIGKILL, the OOM killer), the kernel closes that socket,
+PostgreSQL ends the session and its lock goes at once (docs/design.md). The reaper takes over
+the keys of owners whose lock is gone without waiting out their lease; fencing keeps that safe
+if the owner was in fact alive (its liveness connection had dropped). A frozen or partitioned
+process keeps its session, so it still waits out the TTL. One pool process dying alone is
+noticed by the main process through its renewal relay (celery_guard/lease/relay.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -18,8 +23,8 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import text
 
 from celery_guard.store.engine import StoreEngine
 
@@ -46,15 +51,46 @@ class ProcessLiveness:
         self._pid: int | None = None
         self._owner_lock: int | None = None
         self._checked_at = 0.0
+        #: The prefork worker's main process, once it holds the lock for the whole worker.
+        self._worker_pid: int | None = None
+        #: In a pool process: the main's lock id as last heard (``None``: not held).
+        self._worker_lock: int | None = None
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
 
     @property
     def supported(self) -> bool:
         return self.store.dialect_name == "postgresql"
 
+    def hold_for_worker(self, owner: str) -> int | None:
+        """Main process of a prefork worker, before the pool forks: hold the worker's lock.
+
+        Its pool processes then record its id with their claims (:meth:`lock_id`), so one
+        session per worker stands for all of them. Call it again now and then (the renewal
+        relay does) to take the lock again on a new session after one was lost.
+        """
+        self._worker_pid = os.getpid()
+        self._worker_lock = self.lock_id(owner)
+        return self._worker_lock
+
+    @property
+    def worker_lock(self) -> int | None:
+        """The worker's lock id as its main process last held it (``None``: not held)."""
+        return self._worker_lock
+
+    def adopt(self, lock: int | None) -> None:
+        """In a pool process: the main's lock as its latest renewal round reported it."""
+        self._worker_lock = lock
+
     def lock_id(self, owner: str) -> int | None:
-        """Hold (or re-take) this process's lock; ``None`` when it cannot be held right now."""
+        """Hold (or re-take) this process's lock; ``None`` when it cannot be held right now.
+
+        In a pool process of a worker whose main holds the lock, the main's id, with no round
+        trip: the worker lives and dies with its main process's session.
+        """
         if not self.supported:
             return None
+        if self._worker_pid is not None and self._worker_pid != os.getpid():
+            return self._worker_lock
         with self._lock:
             now = time.monotonic()
             fresh = self._pid == os.getpid() and now - self._checked_at < self.recheck_after
@@ -68,16 +104,15 @@ class ProcessLiveness:
                     _inherited.append(self._connection)
                     self._connection = None
                 if self._connection is None:
-                    self._connection = self.store.engine.connect().execution_options(
-                        isolation_level="AUTOCOMMIT"
-                    )
+                    self._connection = self._open()
                     self._pid = os.getpid()
                 # Re-entrant for the same session; re-run now and then to notice a session
                 # that was lost (a restarted server), and take the lock again on a new one.
-                held = self._connection.execute(
-                    text("SELECT pg_try_advisory_lock(:lock)"), {"lock": wanted}
-                ).scalar_one()
-            except sa_exc.SQLAlchemyError as exc:
+                row = self._connection.execute(
+                    "SELECT pg_try_advisory_lock(%s)", (wanted,)
+                ).fetchone()
+                held = bool(row[0]) if row is not None else False
+            except (psycopg.Error, sa_exc.SQLAlchemyError) as exc:
                 logger.warning("celery_guard liveness lock unavailable: %s", exc)
                 self._drop()
                 return None
@@ -87,21 +122,38 @@ class ProcessLiveness:
                 logger.warning("celery_guard liveness lock %s is held by another session", wanted)
             return self._owner_lock
 
+    def _open(self) -> Any:
+        """A psycopg connection of the lock's own, in autocommit, outside the engine's pool
+        (so the main process's pool of one stays free for everything else)."""
+        pooled = self.store.engine.raw_connection()
+        connection: Any = pooled.dbapi_connection
+        pooled.detach()
+        connection.autocommit = True
+        return connection
+
     def _session_spoke(self) -> bool:
         """Whether the idle lock session received anything: a server ending it (a restart,
         ``pg_terminate_backend``) or a dropped connection. Its lock is then gone already.
         """
         try:
-            fd = self._connection.connection.dbapi_connection.fileno()
+            fd = self._connection.fileno()
             return bool(select.select([fd], [], [], 0)[0])
         except Exception:  # closed or invalidated: recheck
             return True
 
+    def _after_fork_in_child(self) -> None:
+        """A forked child must not keep the parent's lock session open: when the parent dies,
+        its session (and the worker's lock) must end with it, not when the last child exits."""
+        connection = self._connection
+        if connection is None or self._pid == os.getpid():
+            return
+        _inherited.append(connection)  # never collected: psycopg would not close it anyway
+        self._connection = None
+        with contextlib.suppress(Exception):
+            os.close(connection.pgconn.socket)
+
     def _drop(self) -> None:
         connection, self._connection, self._owner_lock = self._connection, None, None
         if connection is not None:
-            try:
-                connection.invalidate()
+            with contextlib.suppress(Exception):
                 connection.close()
-            except sa_exc.SQLAlchemyError:
-                pass
