@@ -360,12 +360,7 @@ def _prepare_budget(runtime: GuardRuntime, worker: Any) -> None:
         if liveness is not None:
             liveness.hold_for_worker(owner)
 
-    relay = RenewalRelay(
-        renew,
-        lock=(lambda: liveness.worker_lock) if liveness is not None else (lambda: None),
-        on_process_gone=process_gone,
-        tick=tick,
-    )
+    relay = RenewalRelay(renew, on_process_gone=process_gone, tick=tick)
     relay.bind()
     runtime.relay = relay
 
@@ -433,12 +428,7 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
             # One connection for this process's claims, bodies and completions; renewals go
             # through the main process (celery_guard/lease/relay.py).
             runtime.store.reset_after_fork(budget="child")
-            liveness = runtime.handler.liveness
-            renewer = RelayRenewer(
-                relay.address,
-                timeout=2 * runtime.config.store_timeout + 1,
-                on_lock=liveness.adopt if liveness is not None else (lambda lock: None),
-            )
+            renewer = RelayRenewer(relay.address, timeout=2 * runtime.config.store_timeout + 1)
             renewer.announce()
             if runtime.leases.in_store:
                 runtime.heartbeat.backend = renewer

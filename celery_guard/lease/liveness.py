@@ -2,14 +2,15 @@
 
 A prefork worker's main process holds one session-level advisory lock, on a connection of its
 own, for the whole worker; its pool processes record that lock's id with each claim, without
-asking anyone (the id is known before the pool forks, and each renewal round's answer brings
-it up to date). A process that runs bodies outside a prefork pool (solo, threads, gevent) holds
-its own. When the worker dies whole (SIGKILL, the OOM killer), the kernel closes that socket,
-PostgreSQL ends the session and its lock goes at once (docs/design.md). The reaper takes over
-the keys of owners whose lock is gone without waiting out their lease; fencing keeps that safe
-if the owner was in fact alive (its liveness connection had dropped). A frozen or partitioned
-process keeps its session, so it still waits out the TTL. One pool process dying alone is
-noticed by the main process through its renewal relay (celery_guard/lease/relay.py).
+asking anyone: the main writes the id it holds (0 while it holds none) into a few bytes of
+memory shared with the pool before it forks, and a claim reads them. A process that runs
+bodies outside a prefork pool (solo, threads, gevent) holds its own. When the worker dies
+whole (SIGKILL, the OOM killer), the kernel closes that socket, PostgreSQL ends the session and
+its lock goes at once (docs/design.md). The reaper takes over the keys of owners whose lock is
+gone without waiting out their lease; fencing keeps that safe if the owner was in fact alive
+(its liveness connection had dropped). A frozen or partitioned process keeps its session, so
+it still waits out the TTL. One pool process dying alone is noticed by the main process
+through its renewal relay (celery_guard/lease/relay.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import os
 import select
+import struct
 import threading
 import time
 from typing import Any
@@ -53,8 +56,8 @@ class ProcessLiveness:
         self._checked_at = 0.0
         #: The prefork worker's main process, once it holds the lock for the whole worker.
         self._worker_pid: int | None = None
-        #: In a pool process: the main's lock id as last heard (``None``: not held).
-        self._worker_lock: int | None = None
+        #: Shared with the pool processes: the lock id the main holds now, 0 for none.
+        self._shared: mmap.mmap | None = None
         os.register_at_fork(after_in_child=self._after_fork_in_child)
 
     @property
@@ -65,21 +68,23 @@ class ProcessLiveness:
         """Main process of a prefork worker, before the pool forks: hold the worker's lock.
 
         Its pool processes then record its id with their claims (:meth:`lock_id`), so one
-        session per worker stands for all of them. Call it again now and then (the renewal
-        relay does) to take the lock again on a new session after one was lost.
+        session per worker stands for all of them. Call it again often (the renewal relay does,
+        about twice a second): a session that was lost is noticed without a round trip, the
+        pool stops recording the lock at once, and the lock is taken again on a new session.
         """
+        if self._shared is None:
+            self._shared = mmap.mmap(-1, 8)  # anonymous and shared: inherited by every fork
         self._worker_pid = os.getpid()
-        self._worker_lock = self.lock_id(owner)
-        return self._worker_lock
+        held = self.lock_id(owner)
+        struct.pack_into("q", self._shared, 0, held or 0)
+        return held
 
     @property
     def worker_lock(self) -> int | None:
-        """The worker's lock id as its main process last held it (``None``: not held)."""
-        return self._worker_lock
-
-    def adopt(self, lock: int | None) -> None:
-        """In a pool process: the main's lock as its latest renewal round reported it."""
-        self._worker_lock = lock
+        """The worker's lock id as its main process holds it now (``None``: not held)."""
+        if self._shared is None:
+            return None
+        return struct.unpack_from("q", self._shared, 0)[0] or None
 
     def lock_id(self, owner: str) -> int | None:
         """Hold (or re-take) this process's lock; ``None`` when it cannot be held right now.
@@ -90,7 +95,7 @@ class ProcessLiveness:
         if not self.supported:
             return None
         if self._worker_pid is not None and self._worker_pid != os.getpid():
-            return self._worker_lock
+            return self.worker_lock
         with self._lock:
             now = time.monotonic()
             fresh = self._pid == os.getpid() and now - self._checked_at < self.recheck_after

@@ -45,14 +45,11 @@ class RenewalRelay:
         self,
         renew: RenewFn,
         *,
-        lock: Callable[[], int | None] = lambda: None,
         on_process_gone: Callable[[int], None] = lambda pid: None,
         tick: Callable[[], None] = lambda: None,
     ) -> None:
         #: Runs one round on the main process's connection.
         self.renew = renew
-        #: The worker's liveness lock id as held now, sent back with every answer.
-        self.lock = lock
         #: Called with a pool process's pid when its presence connection closes.
         self.on_process_gone = on_process_gone
         #: Called about twice a second by the serving thread (keeping the liveness lock).
@@ -115,8 +112,8 @@ class RenewalRelay:
         try:
             renewed = self.renew(pairs, float(request["ttl"])) if pairs else set()
         except StoreError as exc:
-            return {"error": str(exc), "lock": self.lock()}
-        return {"renewed": sorted(renewed), "lock": self.lock()}
+            return {"error": str(exc)}
+        return {"renewed": sorted(renewed)}
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -152,7 +149,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 answer = relay.answer(request)
             except Exception as exc:  # a bad round must not end the relay
                 logger.exception("celery_guard relay could not answer a renewal round")
-                answer = {"error": f"relay failed: {exc}", "lock": None}
+                answer = {"error": f"relay failed: {exc}"}
             try:
                 self.wfile.write(json.dumps(answer).encode() + b"\n")
                 self.wfile.flush()
@@ -177,16 +174,9 @@ class RelayRenewer:
     #: True like the SQL rows it stands for: the heartbeat asks nothing else of it.
     in_store = True
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout: float,
-        on_lock: Callable[[int | None], None] = lambda lock: None,
-    ) -> None:
+    def __init__(self, address: str, *, timeout: float) -> None:
         self.address = address
         self.timeout = timeout
-        self.on_lock = on_lock
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._reader: Any = None
@@ -231,7 +221,6 @@ class RelayRenewer:
                 # A late answer would be read as the next round's: start a new connection.
                 self._close()
                 raise StoreUnavailable(f"the worker's renewal relay did not answer: {exc}") from exc
-        self.on_lock(answer.get("lock"))
         if "error" in answer:
             raise StoreError(str(answer["error"]))
         return {str(key) for key in answer.get("renewed", [])}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select as io_select
 import threading
 import time
 from collections.abc import Callable
@@ -269,6 +270,10 @@ class StoreEngine:
         if not hot.try_acquire():
             return None
         try:
+            if transaction and hot.heard_from_server():
+                # An idle connection the server spoke on was ended (a restart, a reset): the
+                # body's transaction cannot be sent again, so start it on a new one.
+                hot.drop()
             pooled = hot.pooled(engine)
             if transaction:
                 pooled.dbapi_connection.autocommit = False
@@ -623,6 +628,17 @@ class HotConnection:
             self._connection = connection
             self._pooled = pooled
         return self._pooled
+
+    def heard_from_server(self) -> bool:
+        """Whether the idle connection has something to read: on an idle session that is the
+        server ending it, or the network resetting it (one ``select`` call, no round trip)."""
+        connection = self._connection
+        if connection is None or connection.closed:
+            return False
+        try:
+            return bool(io_select.select([connection.fileno()], [], [], 0)[0])
+        except (OSError, ValueError, psycopg.Error):
+            return True
 
     def drop(self) -> None:
         """Close and forget the connection (it failed); the next call opens a new one."""
