@@ -185,14 +185,27 @@ class RelayRenewer:
     def announce(self) -> None:
         """Open this process's presence connection (``worker_process_init``); kept until exit."""
         try:
-            presence = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            presence.settimeout(self.timeout)
-            presence.connect(self.address)
-            presence.sendall(json.dumps({"presence": os.getpid()}).encode() + b"\n")
+            presence = self._connect()
         except OSError as exc:
             logger.warning("celery_guard could not reach the worker's renewal relay: %s", exc)
             return
+        try:
+            presence.sendall(json.dumps({"presence": os.getpid()}).encode() + b"\n")
+        except OSError as exc:
+            presence.close()
+            logger.warning("celery_guard could not reach the worker's renewal relay: %s", exc)
+            return
         self._presence = presence
+
+    def _connect(self) -> socket.socket:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.settimeout(self.timeout)
+            connection.connect(self.address)
+        except OSError:
+            connection.close()
+            raise
+        return connection
 
     def renew_leases(
         self,
@@ -208,9 +221,7 @@ class RelayRenewer:
         with self._lock:
             try:
                 if self._socket is None:
-                    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    connection.settimeout(self.timeout)
-                    connection.connect(self.address)
+                    connection = self._connect()
                     self._socket, self._reader = connection, connection.makefile("rb")
                 self._socket.sendall(payload)
                 line = self._reader.readline()
@@ -224,6 +235,16 @@ class RelayRenewer:
         if "error" in answer:
             raise StoreError(str(answer["error"]))
         return {str(key) for key in answer.get("renewed", [])}
+
+    def close(self) -> None:
+        """Close both connections (a process that stays alive but stops using the relay; a
+        closed presence tells the main this process is gone, so only at its end)."""
+        with self._lock:
+            self._close()
+        presence, self._presence = self._presence, None
+        if presence is not None:
+            with contextlib.suppress(OSError):
+                presence.close()
 
     def _close(self) -> None:
         connection, reader, self._socket, self._reader = self._socket, self._reader, None, None
