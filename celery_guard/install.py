@@ -428,7 +428,11 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
             # One connection for this process's claims, bodies and completions; renewals go
             # through the main process (celery_guard/lease/relay.py).
             runtime.store.reset_after_fork(budget="child")
-            renewer = RelayRenewer(relay.address, timeout=2 * runtime.config.store_timeout + 1)
+            renewer = RelayRenewer(
+                relay.address,
+                timeout=2 * runtime.config.store_timeout + 1,
+                observer=runtime.circuit.observe,
+            )
             renewer.announce()
             if runtime.leases.in_store:
                 runtime.heartbeat.backend = renewer

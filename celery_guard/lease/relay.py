@@ -27,6 +27,7 @@ import socketserver
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -174,9 +175,18 @@ class RelayRenewer:
     #: True like the SQL rows it stands for: the heartbeat asks nothing else of it.
     in_store = True
 
-    def __init__(self, address: str, *, timeout: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float,
+        observer: Callable[[float, StoreError | None], None] | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
+        #: Told each round's latency and outcome, as a store call's (the circuit breaker's
+        #: counts: the round stands for the store call this process no longer makes).
+        self.observer = observer
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._reader: Any = None
@@ -217,6 +227,24 @@ class RelayRenewer:
         pairs = [[key, handle] for key, handle in leases]
         if not pairs:
             return set()
+        started = time.monotonic()
+        try:
+            renewed = self._round(pairs, ttl)
+        except StoreError as exc:
+            self._tell(time.monotonic() - started, exc)
+            raise
+        self._tell(time.monotonic() - started, None)
+        return renewed
+
+    def _tell(self, seconds: float, error: StoreError | None) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer(seconds, error)
+        except Exception:  # counting a round must never change its outcome
+            logger.exception("celery_guard: the renewal observer failed")
+
+    def _round(self, pairs: list[list[Any]], ttl: float) -> set[str]:
         payload = json.dumps({"ttl": ttl, "leases": pairs}).encode() + b"\n"
         with self._lock:
             try:
