@@ -12,6 +12,7 @@ celery_guard/store/engine.py). docs/operations.md states the budget this checks.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import Counter
 from types import ModuleType
@@ -20,8 +21,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.acceptance.conftest import new_store_database, start_workers
+from celery_guard import GuardConfig
+from celery_guard.store import KeyRecord, SqlStore
+from tests.acceptance.conftest import new_store_database, open_gates, start_workers
 from tests.rig.ports import free_port
+from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.workers]
@@ -130,3 +134,51 @@ def test_a_worker_holds_at_most_n_plus_two_connections(
                 "SELECT count(*) FROM effects WHERE tag = %s", (f"{tag}-hold-{n}",)
             ).fetchone() or (0,)
             assert count == 1
+
+
+def test_a_pool_process_killed_alone_loses_its_lease_at_once(
+    shop: ModuleType, postgres: PostgresServer, shop_env: dict[str, str]
+) -> None:
+    """The worker's one liveness lock outlives a pool process SIGKILLed alone; the main
+    process sees it go (its presence connection closes) and ends its leases at once, so the
+    key is taken over long before its 60 s lease would have ended."""
+    lease_ttl = 60.0
+    url = new_store_database(postgres, "budget_kill")
+    queue = f"budget-kill-{uuid.uuid4().hex[:8]}"
+    env = {**shop_env, "CG_STORE_URL": url, "CG_LEASE_TTL": str(lease_ttl)}
+    env["CG_REAPER_INTERVAL"] = "1"
+    (worker,) = start_workers(1, env, queues=queue)
+    store = SqlStore(GuardConfig(store_url=url))
+    try:
+        tag = uuid.uuid4().hex[:12]
+        key = f"gated:{tag}"
+        result = shop.gated.apply_async((tag,), queue=queue)
+
+        def record() -> KeyRecord | None:
+            return store.keys.get(key)
+
+        wait_until(lambda: (r := record()) is not None and r.state == "RUNNING", 30, "a claim")
+        first = record()
+        assert first is not None and first.owner is not None
+        child = int(first.owner.rsplit("/", 1)[1])
+        assert child in worker.child_pids()
+        assert first.owner_lock is not None, "claimed under the worker's lock"
+        worker.kill_child(child)
+        killed_at = time.monotonic()
+        wait_until(
+            lambda: (r := record()) is not None and r.fencing_token == 2,
+            30,
+            "the key to be taken over",
+        )
+        taken_over_after = time.monotonic() - killed_at
+        open_gates(shop_env["CG_MARKER_DIR"], tag, 2)
+        value = result.get(timeout=60)
+        print(f"\npool process killed alone: taken over after {taken_over_after:.1f} s")
+        assert value["fencing_token"] == 2 and value["pid"] != child
+        assert taken_over_after < lease_ttl / 2
+        assert "pool process" in worker.log_text() and "died; ended the leases" in (
+            worker.log_text()
+        )
+    finally:
+        worker.stop()
+        store.dispose()
