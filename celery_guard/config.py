@@ -49,9 +49,9 @@ DEFAULT_STORE_URL = "sqlite:///celery_guard.sqlite3"
 SUPPORTED_SCHEMES = ("sqlite", "postgresql")
 
 #: ``guard_store_pooling``: how the connections to the store's URL are pooled on the way to
-#: PostgreSQL. "session": a server session per connection (PostgreSQL itself, or a pooler in
-#: session mode); "transaction": a pooler that hands each transaction to any server session
-#: (PgBouncer's ``pool_mode = transaction``, docs/pgbouncer.md).
+#: PostgreSQL. "session": a server session per connection that takes startup ``options``
+#: (PostgreSQL itself); "transaction": a pooler that may hand each transaction to any server
+#: session and refuses startup ``options`` (PgBouncer, docs/pgbouncer.md).
 POOLING_MODES = ("session", "transaction")
 
 #: Default port of the worker's metrics endpoint.
@@ -77,8 +77,8 @@ class GuardConfig:
     #: tables a task writes through ``self.guard.transaction()``). ``postgresql://`` URLs use
     #: psycopg 3.
     store_url: str = DEFAULT_STORE_URL
-    #: How the store URL's connections reach PostgreSQL: ``"session"`` (directly, or through a
-    #: pooler in session mode) or ``"transaction"`` (PgBouncer's transaction pooling). In
+    #: How the store URL's connections reach PostgreSQL: ``"session"`` (directly) or
+    #: ``"transaction"`` (through PgBouncer, in transaction pooling or session pooling). In
     #: ``"transaction"`` the engine sends no startup ``options`` (set ``statement_timeout`` and
     #: ``lock_timeout`` on the role instead), psycopg prepares no statement, and the liveness
     #: locks need ``guard_liveness_url`` (or are off: a dead worker's keys then wait out the
