@@ -133,6 +133,23 @@ def shop_workers(shop: ModuleType, shop_env: dict[str, str]) -> Iterator[list[Wo
             worker.stop()
 
 
+def test_the_workers_reach_the_store_through_pgbouncer(
+    shop: ModuleType,
+    shop_env: dict[str, str],
+    shop_workers: list[WorkerProcess],
+    pgbouncer: PgBouncerServer,
+    tag: str,
+) -> None:
+    """What the imported tests run on: the workers' store connections are PgBouncer's clients."""
+    assert shop.record.delay(tag).get(timeout=60)["tag"] == tag
+    dbname = shop_env["CG_STORE_URL"].rsplit("/", 1)[1]
+    assert f":{pgbouncer.port}/" in shop_env["CG_STORE_URL"]
+    celery_guard.get_runtime(shop.app).store.dispose()  # what is left is the workers'
+    assert any(
+        client.get("application_name") == "celery_guard" for client in pgbouncer.clients(dbname)
+    )
+
+
 #: test_self_healing.py's LEASE_TTL: the no-liveness recovery waits it out.
 LEASE_TTL = 2.0
 

@@ -459,6 +459,18 @@ class PgBouncerServer(_ServerBase):
 
         self._wait_ready(accepts, self.start_timeout)
 
+    def clients(self, dbname: str) -> list[dict[str, Any]]:
+        """The client connections PgBouncer holds for ``dbname`` (its ``SHOW CLIENTS``)."""
+        with psycopg.connect(
+            f"host=127.0.0.1 port={self._port} dbname=pgbouncer user=postgres",
+            autocommit=True,
+            connect_timeout=2,
+        ) as conn:
+            cursor = conn.execute("SHOW CLIENTS")
+            names = [column.name for column in cursor.description or ()]
+            rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        return [row for row in rows if row.get("database") == dbname]
+
     def _mode(self) -> str | None:
         with psycopg.connect(
             f"host=127.0.0.1 port={self._port} dbname=pgbouncer user=postgres",
