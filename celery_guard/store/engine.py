@@ -419,8 +419,8 @@ def wrap_error(exc: sa_exc.DBAPIError, config: GuardConfig) -> StoreError:
     if "unsupported startup parameter" in text:
         # PgBouncer's answer to the engine's startup options (its ignore_startup_parameters).
         return StoreUnavailable(
-            f"store {where} unavailable: {first_line}; behind PgBouncer in transaction pooling, "
-            "set guard_store_pooling = 'transaction' (docs/pgbouncer.md)"
+            f"store {where} unavailable: {first_line}; behind PgBouncer, set "
+            "guard_store_pooling = 'transaction' (docs/pgbouncer.md)"
         )
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
         return StoreUnavailable(f"store {where} unavailable: {first_line}")
@@ -430,10 +430,10 @@ def wrap_error(exc: sa_exc.DBAPIError, config: GuardConfig) -> StoreError:
 def _warn_without_role_timeouts(engine: Engine) -> None:
     """Once per engine, behind a transaction pooler: say so when the server bounds no statement.
 
-    Without startup ``options`` the server's own settings apply; with neither
-    ``statement_timeout`` nor ``lock_timeout`` set on the role or database, a statement stuck
-    on a lock is bounded only by the client's watchdog (watchdog.py), which closes the client's
-    socket but leaves the server's statement (and its locks) running.
+    Without startup ``options`` the server's own settings apply; with ``statement_timeout``
+    or ``lock_timeout`` left at 0 (not set on the role or database), a statement stuck on a
+    lock is bounded only by the client's watchdog (watchdog.py), which closes the client's
+    socket but does not end the server's statement or free its locks.
     """
 
     @event.listens_for(engine, "first_connect")
