@@ -17,8 +17,9 @@ key. Three ways:
 - ``pgbouncer``: through PgBouncer with ``"transaction"``: unprepared plus the pooler's hop.
 
 Per way, the median over the repeats (interleaved) of: wall time per task, this process's CPU
-per task, and the CPU of every PostgreSQL process (and of PgBouncer) per task, read from
-``/proc``. Only a rough figure on a loaded machine: say what else ran.
+per task, and the CPU of every PostgreSQL process (in all, in the claims, in the completions:
+each run claims its keys, then completes them) and of PgBouncer per task, read from ``/proc``.
+Only a rough figure on a loaded machine: say what else ran.
 """
 
 from __future__ import annotations
@@ -56,23 +57,32 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICKS
 
 
-def run(store: SqlStore, tasks: int, server_pids: list[int]) -> tuple[float, float, float]:
-    """Seconds, client CPU seconds and server CPU seconds for ``tasks`` claim + complete."""
+def run(store: SqlStore, tasks: int, server_pids: list[int]) -> tuple[float, ...]:
+    """For ``tasks`` claims, then their completions: seconds, client CPU seconds and server CPU
+    seconds in all, then the server CPU seconds of the claims and of the completions."""
     prefix = uuid.uuid4().hex[:8]
     for n in range(10):  # warm up: connections opened, statements prepared where they are
-        claim_and_complete(store, f"warm-{prefix}-{n}")
-    server_before, cpu_before, started = (
-        cpu_seconds(server_pids),
-        time.process_time(),
-        time.perf_counter(),
-    )
-    for n in range(tasks):
-        claim_and_complete(store, f"{prefix}-{n}")
+        token = claim(store, f"warm-{prefix}-{n}")
+        store.keys.complete(f"warm-{prefix}-{n}", token, "null", retention=3600.0)
+    server_before, cpu_before = cpu_seconds(server_pids), time.process_time()
+    started = time.perf_counter()
+    tokens = [claim(store, f"{prefix}-{n}") for n in range(tasks)]
+    server_claimed = cpu_seconds(server_pids)
+    for n, token in enumerate(tokens):
+        store.keys.complete(f"{prefix}-{n}", token, "null", retention=3600.0)
     wall = time.perf_counter() - started
-    return wall, time.process_time() - cpu_before, cpu_seconds(server_pids) - server_before
+    server_after = cpu_seconds(server_pids)
+    return (
+        wall,
+        time.process_time() - cpu_before,
+        server_after - server_before,
+        server_claimed - server_before,
+        server_after - server_claimed,
+    )
 
 
-def claim_and_complete(store: SqlStore, key: str) -> None:
+def claim(store: SqlStore, key: str) -> int:
+    """Claim a fresh key; its fencing token."""
     result = store.keys.claim(
         ClaimRequest(
             key=key,
@@ -85,7 +95,7 @@ def claim_and_complete(store: SqlStore, key: str) -> None:
         )
     )
     assert result.outcome is ClaimOutcome.CLAIMED
-    store.keys.complete(key, result.record.fencing_token, "null", retention=3600.0)
+    return result.record.fencing_token
 
 
 def main() -> None:
@@ -101,35 +111,35 @@ def main() -> None:
             "pgbouncer": (pgbouncer.serve(postgres.url), "transaction"),
         }
         stores = {
-            way: SqlStore(GuardConfig(store_url=url, store_pooling=pooling))  # type: ignore[arg-type]
+            way: SqlStore(GuardConfig(store_url=url, store_pooling=pooling))
             for way, (url, pooling) in urls.items()
         }
         stores["prepared"].ensure_schema()
-        measured: dict[str, list[tuple[float, float, float, float]]] = {way: [] for way in WAYS}
+        measured: dict[str, list[tuple[float, ...]]] = {way: [] for way in WAYS}
         try:
             for _ in range(args.repeats):
                 for way in WAYS:
                     server = [postgres.pid, *procs.descendants(postgres.pid)]
                     bouncer_before = cpu_seconds([pgbouncer.pid])
-                    wall, client, server_cpu = run(stores[way], args.tasks, server)
+                    values = run(stores[way], args.tasks, server)
                     bouncer = cpu_seconds([pgbouncer.pid]) - bouncer_before
                     measured[way].append(
-                        tuple(
-                            1e3 * value / args.tasks
-                            for value in (wall, client, server_cpu, bouncer)
-                        )  # type: ignore[arg-type]
+                        tuple(1e3 * value / args.tasks for value in (*values, bouncer))
                     )
         finally:
             for store in stores.values():
                 store.dispose()
     print(
         f"{args.tasks} tasks x {args.repeats} repeats, claim + completion per task; load "
-        f"average at start {load[0]:.2f} on {os.cpu_count()} CPUs"
+        f"average at start {load[0]:.2f} on {os.cpu_count()} CPUs; ms per task, medians"
     )
-    print("| way | wall | client CPU | PostgreSQL CPU | PgBouncer CPU |  (ms per task)")
-    print("|---|---|---|---|---|")
+    print(
+        "| way | wall | client CPU | PostgreSQL CPU | of which claim | of which completion "
+        "| PgBouncer CPU |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for way in WAYS:
-        columns = [statistics.median(run[i] for run in measured[way]) for i in range(4)]
+        columns = [statistics.median(run[i] for run in measured[way]) for i in range(6)]
         print(f"| {way} | " + " | ".join(f"{value:.3f}" for value in columns) + " |")
 
 
