@@ -26,7 +26,7 @@ from celery_guard.handler import GuardHandler
 from celery_guard.keys import HEADER_KEY, key_from_option
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
-from celery_guard.lease.liveness import ProcessLiveness
+from celery_guard.lease.liveness import ProcessLiveness, liveness_store
 from celery_guard.messages import PUBLISHED_AT_HEADER, preset_stamp
 from celery_guard.outbox import PublishTracker, connect_tracking
 from celery_guard.reaper import Reaper
@@ -127,6 +127,7 @@ class GuardRuntime:
             else RedisLeases(config.lease_url, timeout=config.store_timeout)
         )
         heartbeat = Heartbeat(leases, interval=config.renew_interval)
+        liveness_db = liveness_store(config, store.db)
         dead_letters = DeadLetterSink(app, store.dead_letters, config.dead_letter_queue)
         handler = GuardHandler(
             store.keys,
@@ -139,8 +140,8 @@ class GuardRuntime:
             control_flow=(Retry, Ignore, Reject),
             states=self.states,
             liveness=(
-                ProcessLiveness(store.db, recheck_after=config.lease_ttl)
-                if config.liveness_locks
+                ProcessLiveness(liveness_db, recheck_after=config.lease_ttl)
+                if liveness_db is not None
                 else None
             ),
             max_payload_bytes=config.max_payload_bytes,
