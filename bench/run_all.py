@@ -46,9 +46,10 @@ SMOKE_ARGS = {
 }
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600
-#: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes);
-#: ``cpu`` and ``floor`` are helper modules of the benchmarks, not ones.
-NOT_BENCHMARKS = {"__init__", "run_all", "soak", "cpu", "floor"}
+#: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes) and
+#: ``profile_worker`` is a profiler to run by hand; ``cpu`` and ``floor`` are helper modules
+#: of the benchmarks, not ones.
+NOT_BENCHMARKS = {"__init__", "run_all", "soak", "profile_worker", "cpu", "floor"}
 VERSIONED = {
     "celery": "celery",
     "kombu": "kombu",

@@ -48,6 +48,12 @@ DEFAULT_STORE_URL = "sqlite:///celery_guard.sqlite3"
 
 SUPPORTED_SCHEMES = ("sqlite", "postgresql")
 
+#: ``guard_store_pooling``: how the connections to the store's URL are pooled on the way to
+#: PostgreSQL. "session": a server session per connection that takes startup ``options``
+#: (PostgreSQL itself); "transaction": a pooler that may hand each transaction to any server
+#: session and refuses startup ``options`` (PgBouncer, docs/pgbouncer.md).
+POOLING_MODES = ("session", "transaction")
+
 #: Default port of the worker's metrics endpoint.
 DEFAULT_METRICS_PORT = 9819
 
@@ -71,6 +77,17 @@ class GuardConfig:
     #: tables a task writes through ``self.guard.transaction()``). ``postgresql://`` URLs use
     #: psycopg 3.
     store_url: str = DEFAULT_STORE_URL
+    #: How the store URL's connections reach PostgreSQL: ``"session"`` (directly) or
+    #: ``"transaction"`` (through PgBouncer, in transaction pooling or session pooling). In
+    #: ``"transaction"`` the engine sends no startup ``options`` (set ``statement_timeout`` and
+    #: ``lock_timeout`` on the role instead), psycopg prepares no statement, and the liveness
+    #: locks need ``guard_liveness_url`` (or are off: a dead worker's keys then wait out the
+    #: lease TTL). docs/pgbouncer.md.
+    store_pooling: str = "session"
+    #: PostgreSQL URL of the same database as the store, reached without a transaction pooler:
+    #: the session the liveness locks are held on. ``None``: the store's URL, or no liveness
+    #: locks when ``guard_store_pooling`` is ``"transaction"``.
+    liveness_url: str | None = None
     #: Seconds any single store call may take (connect, lock wait, statement) before the delivery
     #: is treated as a coordination failure and tried again later.
     store_timeout: float = 5.0
@@ -286,11 +303,51 @@ class GuardConfig:
             )
         # Normalises and checks the URL; the result is stored back on the frozen instance.
         object.__setattr__(self, "store_url", normalize_store_url(self.store_url))
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        """``store_pooling`` and ``liveness_url``: PostgreSQL only, and consistent."""
+        if self.store_pooling not in POOLING_MODES:
+            raise ConfigurationError(
+                f"guard_store_pooling must be one of {', '.join(map(repr, POOLING_MODES))}, got "
+                f"{self.store_pooling!r}"
+            )
+        postgres = make_url(self.store_url).get_backend_name() == "postgresql"
+        if self.store_pooling == "transaction" and not postgres:
+            raise ConfigurationError(
+                "guard_store_pooling = 'transaction' is for a PostgreSQL store behind a "
+                f"transaction pooler (PgBouncer); the store is {self.safe_store_url()!r}"
+            )
+        if self.liveness_url is None:
+            return
+        if not postgres:
+            raise ConfigurationError(
+                "guard_liveness_url is for a PostgreSQL store; the store is "
+                f"{self.safe_store_url()!r}"
+            )
+        if not self.liveness_locks:
+            raise ConfigurationError(
+                "guard_liveness_url is set but guard_liveness_locks is False: nothing would "
+                "connect to it; remove one of them"
+            )
+        try:
+            url = normalize_store_url(self.liveness_url)
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                str(exc).replace("guard_store_url", "guard_liveness_url")
+            ) from None
+        if make_url(url).get_backend_name() != "postgresql":
+            raise ConfigurationError(
+                "guard_liveness_url must be a postgresql:// URL (a direct session to the "
+                f"store's database), got {_hide_password(self.liveness_url)!r}"
+            )
+        object.__setattr__(self, "liveness_url", url)
 
     def __repr__(self) -> str:
         # Never the URLs' passwords: a repr ends up in logs and error reports (frame locals).
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "store_url"}
         shown["lease_url"] = _hide_password(self.lease_url)
+        shown["liveness_url"] = _hide_password(self.liveness_url)
         text = ", ".join(f"{name}={value!r}" for name, value in shown.items())
         return f"GuardConfig(store_url={self.safe_store_url()!r}, {text})"
 

@@ -28,7 +28,7 @@ from celery_guard.handler import GuardHandler
 from celery_guard.keys import HEADER_KEY, key_from_option
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
-from celery_guard.lease.liveness import ProcessLiveness
+from celery_guard.lease.liveness import ProcessLiveness, liveness_store
 from celery_guard.lease.relay import RelayRenewer, RenewalRelay
 from celery_guard.messages import PUBLISHED_AT_HEADER, preset_stamp
 from celery_guard.outbox import PublishTracker, connect_tracking
@@ -133,6 +133,7 @@ class GuardRuntime:
             else RedisLeases(config.lease_url, timeout=config.store_timeout)
         )
         heartbeat = Heartbeat(leases, interval=config.renew_interval)
+        liveness_db = liveness_store(config, store.db)
         dead_letters = DeadLetterSink(app, store.dead_letters, config.dead_letter_queue)
         handler = GuardHandler(
             store.keys,
@@ -145,8 +146,8 @@ class GuardRuntime:
             control_flow=(Retry, Ignore, Reject),
             states=self.states,
             liveness=(
-                ProcessLiveness(store.db, recheck_after=config.lease_ttl)
-                if config.liveness_locks
+                ProcessLiveness(liveness_db, recheck_after=config.lease_ttl)
+                if liveness_db is not None
                 else None
             ),
             max_payload_bytes=config.max_payload_bytes,
@@ -344,6 +345,8 @@ def _prepare_budget(runtime: GuardRuntime, worker: Any) -> None:
     db.budget = "main"
     db.worker_tag = str(os.getpid())
     liveness = runtime.handler.liveness
+    if liveness is not None:
+        liveness.store.worker_tag = db.worker_tag  # guard_liveness_url: an engine of its own
     hostname = worker.hostname
     owner = f"{hostname}/{os.getpid()}"
     leases = runtime.leases

@@ -11,6 +11,8 @@ python3 -c "import venv, ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 # The RabbitMQ scenarios start a private broker from Debian's rabbitmq-server (as the test user).
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
+# The PgBouncer scenarios (transaction pooling) start a private pooler from /usr/sbin/pgbouncer.
+[ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 # The clock-skew scenario runs a worker under libfaketime (LD_PRELOAD, FAKETIME=+30s).
 compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || missing+=(libfaketime)
 
@@ -25,9 +27,10 @@ echo "installing Debian packages: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 # The packages' own services are not used: the tests and the demo start private servers.
-# A policy-rc.d that refuses every start keeps the postinst scripts (prometheus's and
-# rabbitmq-server's especially) from starting system servers; Docker images ship one,
-# elsewhere we add one for the install.
+# A policy-rc.d that refuses every start keeps the postinst scripts (prometheus's,
+# rabbitmq-server's and pgbouncer's especially) from starting system servers: invoke-rc.d and
+# deb-systemd-invoke both ask it, and a start it refuses is not a failed install. Docker images
+# ship one; elsewhere we add one for the install.
 if [ ! -e /usr/sbin/policy-rc.d ]; then
   printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
   chmod 755 /usr/sbin/policy-rc.d
@@ -40,4 +43,7 @@ if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; th
 fi
 if [[ " ${missing[*]} " == *" rabbitmq-server "* ]] && [ -d /run/systemd/system ]; then
   systemctl disable --now rabbitmq-server.service epmd.socket epmd.service >/dev/null 2>&1 || true
+fi
+if [[ " ${missing[*]} " == *" pgbouncer "* ]] && [ -d /run/systemd/system ]; then
+  systemctl disable --now pgbouncer.service pgbouncer.socket >/dev/null 2>&1 || true
 fi

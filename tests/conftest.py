@@ -1,4 +1,4 @@
-"""Session-wide servers: private PostgreSQL, Redis and RabbitMQ on free loopback ports.
+"""Session-wide servers: private PostgreSQL, PgBouncer, Redis and RabbitMQ on free loopback ports.
 
 They start on first use (a run of unit tests starts neither) and stop, by PID, at session end.
 """
@@ -13,12 +13,19 @@ import pytest
 
 from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
-from tests.rig.servers import PostgresServer, RabbitMQServer, RedisServer
+from tests.rig.servers import PgBouncerServer, PostgresServer, RabbitMQServer, RedisServer
 
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(postgres: PostgresServer) -> Iterator[PgBouncerServer]:
+    """PgBouncer in transaction pooling in front of the session's PostgreSQL."""
+    with PgBouncerServer(postgres) as server:
         yield server
 
 

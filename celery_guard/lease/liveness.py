@@ -24,11 +24,13 @@ import select
 import struct
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 from sqlalchemy import exc as sa_exc
 
+from celery_guard.config import GuardConfig
 from celery_guard.store.engine import StoreEngine
 
 logger = logging.getLogger("celery_guard.lease")
@@ -41,6 +43,28 @@ def owner_lock_id(owner: str) -> int:
     """A positive 63-bit advisory-lock id for an owner string (``node/pid``)."""
     digest = hashlib.sha256(f"celery_guard:{owner}".encode()).digest()
     return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def liveness_store(config: GuardConfig, store: StoreEngine) -> StoreEngine | None:
+    """The engine the liveness sessions connect with; ``None`` when there are none to hold.
+
+    A session-level lock needs a session that lives as long as the process: the store's own
+    engine when it reaches PostgreSQL directly, ``guard_liveness_url`` (a direct URL of the same
+    database) when one is given, and none behind a transaction pooler without one, which would
+    hand the session to other clients between transactions (the reaper then waits out the
+    lease TTL, docs/pgbouncer.md). The reaper reads ``pg_locks`` through the store's URL: the
+    same database, so the same locks.
+    """
+    if not config.liveness_locks:
+        return None
+    if config.liveness_url is not None:
+        direct = replace(
+            config, store_url=config.liveness_url, store_pooling="session", liveness_url=None
+        )
+        return StoreEngine(direct)
+    if config.store_pooling == "transaction":
+        return None
+    return store
 
 
 class ProcessLiveness:

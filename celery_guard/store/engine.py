@@ -148,7 +148,16 @@ class StoreEngine:
             "tcp_user_timeout": millis,
             "application_name": _application_name(self.worker_tag),
         }
+        if self.config.store_pooling == "transaction":
+            # A transaction pooler (PgBouncer) refuses startup options and would not keep a
+            # session setting past the transaction: the timeouts are set on the role instead
+            # (docs/pgbouncer.md). A statement psycopg prepared lives in one server session,
+            # which the next transaction may not get: prepare none.
+            del connect_args["options"]
+            connect_args["prepare_threshold"] = None
         engine = create_engine(url, connect_args=connect_args, **_pool(self.budget, timeout))
+        if self.config.store_pooling == "transaction":
+            _warn_without_role_timeouts(engine)
         self.watchdog.install(engine)
         _report_boundaries(engine)
         return engine
@@ -475,9 +484,48 @@ def wrap_error(exc: sa_exc.DBAPIError, config: GuardConfig) -> StoreError:
             "(in a Django project with celery_guard.contrib.django: `python manage.py migrate`) "
             f"or set guard_create_tables = True ({first_line})"
         )
+    if "unsupported startup parameter" in text:
+        # PgBouncer's answer to the engine's startup options (its ignore_startup_parameters).
+        return StoreUnavailable(
+            f"store {where} unavailable: {first_line}; behind PgBouncer, set "
+            "guard_store_pooling = 'transaction' (docs/pgbouncer.md)"
+        )
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
         return StoreUnavailable(f"store {where} unavailable: {first_line}")
     return StoreError(f"store {where} error: {first_line}")
+
+
+def _warn_without_role_timeouts(engine: Engine) -> None:
+    """Once per engine, behind a transaction pooler: say so when the server bounds no statement.
+
+    Without startup ``options`` the server's own settings apply; with ``statement_timeout``
+    or ``lock_timeout`` left at 0 (not set on the role or database), a statement stuck on a
+    lock is bounded only by the client's watchdog (watchdog.py), which closes the client's
+    socket but does not end the server's statement or free its locks.
+    """
+
+    @event.listens_for(engine, "first_connect")
+    def _check(dbapi_connection: Any, _record: Any) -> None:
+        try:
+            with dbapi_connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')"
+                )
+                row = cursor.fetchone()
+            if not dbapi_connection.autocommit:
+                dbapi_connection.rollback()
+        except psycopg.Error as exc:  # the connection's own use will report it
+            logger.debug("celery_guard: could not read the server's timeouts: %s", exc)
+            return
+        names = ("statement_timeout", "lock_timeout")
+        unset = [name for name, value in zip(names, row or ("0", "0"), strict=True) if value == "0"]
+        if unset:
+            logger.warning(
+                "celery_guard: guard_store_pooling is 'transaction' and the server runs with "
+                "%s: set them on the role (ALTER ROLE ... SET statement_timeout = '5s', "
+                "docs/pgbouncer.md)",
+                ", ".join(f"{name} = 0" for name in unset),
+            )
 
 
 def _report_boundaries(engine: Engine) -> None:

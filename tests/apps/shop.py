@@ -32,6 +32,10 @@ app = Celery(
 app.conf.update(
     guard_store_url=os.environ.get("CG_STORE_URL", "sqlite:///shop.sqlite3"),
     guard_store_timeout=float(os.environ.get("CG_STORE_TIMEOUT", "2")),
+    # Behind PgBouncer (tests/acceptance/test_pgbouncer.py): transaction pooling, and the
+    # direct URL the liveness locks are held through, if any.
+    guard_store_pooling=os.environ.get("CG_STORE_POOLING") or "session",
+    guard_liveness_url=os.environ.get("CG_LIVENESS_URL") or None,
     guard_lease_ttl=float(os.environ.get("CG_LEASE_TTL", "10")),
     guard_reaper_interval=float(os.environ.get("CG_REAPER_INTERVAL", "2")),
     guard_drain_timeout=float(os.environ.get("CG_DRAIN_TIMEOUT", "30")),

@@ -1,6 +1,6 @@
-"""Private PostgreSQL and Redis servers, one per test session, started as child processes.
+"""Private PostgreSQL, PgBouncer and Redis servers, one per test session, as child processes.
 
-Both run in their own session/process group, are registered for atexit cleanup and are
+Each runs in its own session/process group, is registered for atexit cleanup and is
 stopped by PID. Startup waits are bounded; failures raise RuntimeError with the log tail.
 """
 
@@ -345,6 +345,148 @@ class PostgresServer(_ServerBase):
         """Stop and start again on the same port with the same data (connections are lost)."""
         self.stop(keep_data=True)
         self._run_postgres()
+
+
+PGBOUNCER = "/usr/sbin/pgbouncer"
+
+
+class PgBouncerServer(_ServerBase):
+    """PgBouncer (Debian's 1.18) on 127.0.0.1:port in front of a rig's PostgreSQL.
+
+    ``pool_mode = transaction``: each transaction gets whichever server session is free, as in
+    the deployments docs/pgbouncer.md describes. Every database of the PostgreSQL server is
+    reachable under its own name (the ``*`` fallback), as ``postgres`` without a password.
+    Like PostgreSQL, it refuses to run as root: it runs as the same unprivileged account.
+    """
+
+    name = "pgbouncer"
+
+    def __init__(
+        self,
+        postgres: PostgresServer,
+        port: int | None = None,
+        start_timeout: float = 30,
+        pool_mode: str = "transaction",
+        pool_size: int = 20,
+    ) -> None:
+        super().__init__(port)
+        self.postgres = postgres
+        self.start_timeout = start_timeout
+        self.pool_mode = pool_mode
+        self.pool_size = pool_size
+        self._os_user = _pg_os_user()
+
+    def url_for(self, dbname: str) -> str:
+        """The SQLAlchemy URL of ``dbname`` through PgBouncer."""
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self._port}/{dbname}"
+
+    def through(self, direct_url: str) -> str:
+        """``direct_url`` (a database of :attr:`postgres`) reached through PgBouncer instead."""
+        return self.url_for(direct_url.rsplit("/", 1)[1])
+
+    def serve(self, direct_url: str, timeout: str = "5s") -> str:
+        """``direct_url``'s database through PgBouncer, its timeouts set on the role there.
+
+        Behind a transaction pooler the engine sends no startup ``options``; the timeouts a
+        deployment sets with ``ALTER ROLE ... IN DATABASE ... SET`` (docs/pgbouncer.md) apply
+        to every server session PgBouncer opens for the database.
+        """
+        dbname = direct_url.rsplit("/", 1)[1]
+        with self.postgres._connect_admin() as conn:
+            for setting in ("statement_timeout", "lock_timeout"):
+                conn.execute(
+                    sql.SQL("ALTER ROLE postgres IN DATABASE {} SET {} = {}").format(
+                        sql.Identifier(dbname), sql.Identifier(setting), sql.Literal(timeout)
+                    )
+                )
+        return self.url_for(dbname)
+
+    def _config(self) -> str:
+        assert self._tmp is not None
+        return "\n".join(
+            [
+                "[databases]",
+                f"* = host=127.0.0.1 port={self.postgres.port}",
+                "[pgbouncer]",
+                "listen_addr = 127.0.0.1",
+                f"listen_port = {self._port}",
+                "unix_socket_dir =",
+                "auth_type = trust",
+                f"auth_file = {self._tmp / 'users.txt'}",
+                f"pool_mode = {self.pool_mode}",
+                # Workers (a hot, a pooled and a liveness connection per process), the test
+                # process and the CLI; server sessions are what transaction pooling shares.
+                "max_client_conn = 1000",
+                f"default_pool_size = {self.pool_size}",
+                "max_db_connections = 100",
+                f"pidfile = {self._tmp / 'pgbouncer.pid'}",
+                "admin_users = postgres",
+                "",
+            ]
+        )
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        self._tmp = Path(tempfile.mkdtemp(prefix="rig-pgbouncer-"))
+        procs.register(self)
+        (self._tmp / "users.txt").write_text('"postgres" ""\n')
+        (self._tmp / "pgbouncer.ini").write_text(self._config())
+        if self._os_user is not None:
+            entry = pwd.getpwnam(self._os_user)
+            for path in (self._tmp, self._tmp / "users.txt", self._tmp / "pgbouncer.ini"):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        # In the foreground (no -d), so the Popen child is PgBouncer itself.
+        self._spawn(
+            [PGBOUNCER, str(self._tmp / "pgbouncer.ini")],
+            cwd=self._tmp,
+            env=_clean_env(),
+            **_user_kwargs(self._os_user),
+        )
+
+        def accepts() -> bool:
+            # SHOW through the admin console names our own PID: never another pooler's port.
+            try:
+                with psycopg.connect(
+                    f"host=127.0.0.1 port={self._port} dbname=pgbouncer user=postgres",
+                    autocommit=True,
+                    connect_timeout=2,
+                ) as conn:
+                    conn.execute("SHOW VERSION")
+                    return self._mode() == self.pool_mode
+            except psycopg.Error:
+                return False
+
+        self._wait_ready(accepts, self.start_timeout)
+
+    def clients(self, dbname: str) -> list[dict[str, Any]]:
+        """The client connections PgBouncer holds for ``dbname`` (its ``SHOW CLIENTS``)."""
+        with psycopg.connect(
+            f"host=127.0.0.1 port={self._port} dbname=pgbouncer user=postgres",
+            autocommit=True,
+            connect_timeout=2,
+        ) as conn:
+            cursor = conn.execute("SHOW CLIENTS")
+            names = [column.name for column in cursor.description or ()]
+            rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        return [row for row in rows if row.get("database") == dbname]
+
+    def _mode(self) -> str | None:
+        with psycopg.connect(
+            f"host=127.0.0.1 port={self._port} dbname=pgbouncer user=postgres",
+            autocommit=True,
+            connect_timeout=2,
+        ) as conn:
+            for row in conn.execute("SHOW CONFIG").fetchall():
+                if row[0] == "pool_mode":
+                    return str(row[1])
+        return None
+
+    def stop(self) -> None:
+        """SIGINT (safe shutdown: wait for the transactions in flight), SIGKILL after 10 s."""
+        self._shutdown(signal.SIGINT, 10)
+        procs.remove_tree(self._tmp)
+        self._tmp = None
 
 
 class RedisServer(_ServerBase):

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from kombu import Connection
 
 from . import procs
-from .servers import PostgresServer, RabbitMQServer, RedisServer
+from .servers import PgBouncerServer, PostgresServer, RabbitMQServer, RedisServer
 from .workers import WorkerProcess
 
 RIG_DIR = Path(__file__).resolve().parent
@@ -200,3 +200,18 @@ def test_worker_freeze_kill_child_and_stop(redis_server: RedisServer) -> None:
     assert worker.returncode == 0  # warm shutdown
     assert not any(map(procs.pid_alive, tree))
     assert "worker.log" in str(worker.log_path) and "ready." in worker.log_text()
+
+
+def test_pgbouncer_pools_transactions_in_front_of_postgres_and_stops_by_pid(
+    pg: PostgresServer,
+) -> None:
+    with PgBouncerServer(pg) as bouncer:
+        pid = bouncer.pid
+        url = bouncer.serve(pg.url)
+        dsn = url.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+            row = conn.execute("SELECT current_database(), inet_server_port()").fetchone()
+            assert row == ("celery_guard_test", pg.port), "served by the rig's PostgreSQL"
+        with pytest.raises(psycopg.OperationalError, match="unsupported startup parameter"):
+            psycopg.connect(dsn, options="-c statement_timeout=1000").close()
+    assert not procs.pid_alive(pid)

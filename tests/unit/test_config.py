@@ -286,3 +286,71 @@ def test_namespaced_urls_are_masked_in_celerys_config_views() -> None:
     table = app.conf.table(with_defaults=False)
     assert table["CELERY_GUARD_STORE_URL"] == "********"
     assert "s3cret" not in app.conf.humanize(with_defaults=False)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"store_pooling": "statement"}, "guard_store_pooling must be one of 'session', "),
+        ({"store_pooling": None}, "guard_store_pooling must be one of"),
+        ({"store_pooling": "transaction"}, "is for a PostgreSQL store behind a transaction"),
+        ({"liveness_url": "postgresql://db/x"}, "guard_liveness_url is for a PostgreSQL store"),
+    ],
+)
+def test_pooling_settings_on_sqlite_or_unknown_are_refused(
+    settings: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        GuardConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("liveness_url", "message"),
+    [
+        ("sqlite:///x.db", "guard_liveness_url must be a postgresql:// URL"),
+        ("mysql://u@db/x", "guard_liveness_url scheme 'mysql' is not supported"),
+        ("not a url", "guard_liveness_url is not a database URL"),
+        (5432, "guard_liveness_url must be a URL string"),
+    ],
+)
+def test_a_liveness_url_must_be_postgresql(liveness_url: object, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        GuardConfig(
+            store_url="postgresql://u@pgbouncer:6432/shop",
+            store_pooling="transaction",
+            liveness_url=liveness_url,  # type: ignore[arg-type]
+        )
+
+
+def test_a_liveness_url_without_liveness_locks_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="guard_liveness_locks is False"):
+        GuardConfig(
+            store_url="postgresql://u@pgbouncer:6432/shop",
+            liveness_locks=False,
+            liveness_url="postgresql://u@db:5432/shop",
+        )
+
+
+def test_transaction_pooling_with_a_direct_liveness_url() -> None:
+    config = GuardConfig.from_celery_conf(
+        {
+            "guard_store_url": "postgresql://u:secret@pgbouncer:6432/shop",
+            "guard_store_pooling": "transaction",
+            "guard_liveness_url": "postgres://u:hidden@db:5432/shop",
+        }
+    )
+    assert config.store_pooling == "transaction"
+    assert config.liveness_url == "postgresql+psycopg://u:hidden@db:5432/shop"
+    assert "hidden" not in repr(config) and "secret" not in repr(config)
+    assert GuardConfig().store_pooling == "session" and GuardConfig().liveness_url is None
+
+
+def test_a_bad_pooling_value_is_named_as_the_config_spells_it() -> None:
+    with pytest.raises(ConfigurationError, match="CELERY_GUARD_STORE_POOLING must be one of"):
+        GuardConfig.from_celery_conf(
+            {
+                "CELERY_GUARD_STORE_URL": "postgresql://u@pgbouncer:6432/shop",
+                "CELERY_GUARD_STORE_POOLING": "Transaction",
+            },
+            namespace="CELERY",
+        )
