@@ -156,7 +156,26 @@ def test_the_workers_reach_the_store_through_pgbouncer(
 LEASE_TTL = 2.0
 
 
-@pytest.fixture(params=["liveness-url", "no-liveness"])
+#: The liveness modes each self-healing test runs in behind PgBouncer (both, unless named here).
+CLUSTER_MODES = ("liveness-url", "no-liveness")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Each test that uses ``cluster`` runs in the modes it is about: taking a dead worker's
+    keys over at once needs the liveness URL; waiting out the lease is the mode without."""
+    if "cluster" not in metafunc.fixturenames:
+        return
+    modes: tuple[str, ...] = CLUSTER_MODES
+    if metafunc.function is test_a_dead_workers_keys_are_taken_over_without_waiting_for_the_lease:
+        modes = ("liveness-url",)
+    elif (
+        metafunc.function.__name__ == "test_without_liveness_a_dead_workers_key_waits_out_the_lease"
+    ):
+        modes = ("no-liveness",)
+    metafunc.parametrize("cluster", modes, indirect=True)
+
+
+@pytest.fixture
 def cluster(
     request: pytest.FixtureRequest,
     postgres: PostgresServer,
@@ -166,10 +185,6 @@ def cluster(
 ) -> Iterator[Cluster]:
     """test_self_healing.py's cluster, its workers behind PgBouncer; the test reads directly."""
     liveness = request.param == "liveness-url"
-    if not liveness and request.function is (
-        test_a_dead_workers_keys_are_taken_over_without_waiting_for_the_lease
-    ):
-        pytest.skip("without liveness locks a dead worker's keys wait out the lease, by design")
     direct = new_store_database(postgres, "pgbheal")
     env = {
         "CG_BROKER_URL": redis_server.url_for(7),
@@ -194,8 +209,7 @@ def cluster(
 
 def test_without_liveness_a_dead_workers_key_waits_out_the_lease(cluster: Cluster) -> None:
     """No liveness URL: the claim records no lock, and only the lease's end frees the key."""
-    if cluster.env["CG_LIVENESS_URL"]:
-        pytest.skip("with a liveness URL the reaper does not wait for the lease")
+    assert not cluster.env["CG_LIVENESS_URL"]
     cluster.start(2)
     tag = uuid.uuid4().hex[:12]
     key = f"gated:{tag}"
