@@ -394,11 +394,12 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
                 # Not fatal: each process tries again on first use, and until the store
                 # answers, deliveries are deferred rather than lost.
                 logger.error("celery_guard could not prepare the store at worker start: %s", exc)
-        if runtime.relay is not None and runtime.handler.liveness is not None:
-            # The worker's one liveness lock, held before the pool forks, so the first claim
-            # of any pool process records a lock that is held.
-            runtime.handler.liveness.hold_for_worker(f"{sender.hostname}/{os.getpid()}")
         runtime.store.dispose()
+        if runtime.relay is not None and runtime.handler.liveness is not None:
+            # The worker's one liveness lock, held before the pool forks (and after the
+            # dispose, which would close it), so a pool process's first claim records a lock
+            # that is held.
+            runtime.handler.liveness.hold_for_worker(f"{sender.hostname}/{os.getpid()}")
         runtime.circuit.on_worker_init()  # backpressure: shared block, before the pool forks
 
     def on_task_unknown(

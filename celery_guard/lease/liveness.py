@@ -24,6 +24,7 @@ import select
 import struct
 import threading
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -82,7 +83,7 @@ class ProcessLiveness:
         self._worker_pid: int | None = None
         #: Shared with the pool processes: the lock id the main holds now, 0 for none.
         self._shared: mmap.mmap | None = None
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        _instances.add(self)
 
     @property
     def supported(self) -> bool:
@@ -158,6 +159,8 @@ class ProcessLiveness:
         connection: Any = pooled.dbapi_connection
         pooled.detach()
         connection.autocommit = True
+        # As a pooled session would, it lives until the engine is disposed.
+        self.store.keep(connection)
         return connection
 
     def _session_spoke(self) -> bool:
@@ -184,5 +187,18 @@ class ProcessLiveness:
     def _drop(self) -> None:
         connection, self._connection, self._owner_lock = self._connection, None, None
         if connection is not None:
+            self.store.forget_kept(connection)
             with contextlib.suppress(Exception):
                 connection.close()
+
+
+#: Every lock object, weakly: a fork's child drops what it inherited (_after_fork_in_child).
+_instances: weakref.WeakSet[ProcessLiveness] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for liveness in list(_instances):
+        liveness._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -82,6 +82,9 @@ class StoreEngine:
         #: Shown as the connections' ``application_name`` after ``celery_guard``: the worker's
         #: main process id, so ``pg_stat_activity`` tells whose connections they are.
         self.worker_tag: str | None = None
+        #: Driver connections opened outside the pool that live as long as the engine (the
+        #: liveness session), with the pid that opened each: dispose() closes that pid's.
+        self._kept: list[tuple[int, Any]] = []
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -117,9 +120,26 @@ class StoreEngine:
                 self._engine = None
                 self._schema_ready = False
 
+    def keep(self, connection: Any) -> None:
+        """Close ``connection`` (a driver connection taken out of the pool) with the engine."""
+        with self._lock:
+            self._kept.append((os.getpid(), connection))
+
+    def forget_kept(self, connection: Any) -> None:
+        """``connection`` was closed by its user: :meth:`dispose` need not close it."""
+        with self._lock:
+            self._kept = [(pid, kept) for pid, kept in self._kept if kept is not connection]
+
     def dispose(self) -> None:
         """Close this process's connections (before a fork, or at shutdown)."""
         with self._lock:
+            mine = [kept for pid, kept in self._kept if pid == os.getpid()]
+            # Another process's (inherited across fork) stay referenced and open: closing them
+            # here would end the parent's session.
+            self._kept = [(pid, kept) for pid, kept in self._kept if pid != os.getpid()]
+            for connection in mine:
+                with contextlib.suppress(Exception):
+                    connection.close()
             self.hot.close()
             if self._engine is not None and self._engine_pid == os.getpid():
                 self._engine.dispose()
