@@ -37,6 +37,12 @@ logger = logging.getLogger("celery_guard.worker")
 circuit_logger = logging.getLogger("celery_guard.circuit")
 
 
+def _stop_relay(runtime: Any) -> None:
+    relay = runtime.relay
+    if relay is not None:
+        relay.stop()
+
+
 class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
     """Started after the pool (so no thread of ours is ever forked into a child)."""
 
@@ -89,6 +95,8 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         )
         self.reaper.start()
         runtime.reaper = self.reaper
+        if runtime.relay is not None:
+            runtime.relay.start()  # the pool processes' renewals (celery_guard/lease/relay.py)
         if config.metrics_port is not None:
             self.metrics_server = MetricsServer(
                 build_registry(monitor.snapshot), config.metrics_address, config.metrics_port
@@ -100,14 +108,17 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         runtime = get_runtime(parent.app)
         runtime.states.set_lifecycle(WorkerState.DRAINING, reason="warm shutdown")
         self._stop_reaper()
-        drain(runtime, parent.hostname)
+        drain(runtime, parent.hostname)  # the relay still renews what the pool still runs
         self._stop_monitoring()
+        _stop_relay(runtime)
 
     def terminate(self, parent: Any) -> None:
         """Cold shutdown: no drain; running keys' leases expire and the reaper recovers them."""
-        get_runtime(parent.app).states.set_lifecycle(WorkerState.DRAINING, reason="cold shutdown")
+        runtime = get_runtime(parent.app)
+        runtime.states.set_lifecycle(WorkerState.DRAINING, reason="cold shutdown")
         self._stop_reaper()
         self._stop_monitoring()
+        _stop_relay(runtime)
 
     def _stop_reaper(self) -> None:
         if self.reaper is not None:

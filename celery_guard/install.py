@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 from celery import Celery, signals
 from celery.app import utils as celery_app_utils
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guard import metrics
@@ -27,6 +29,7 @@ from celery_guard.keys import HEADER_KEY, key_from_option
 from celery_guard.lease.backends import LeaseBackend, RedisLeases, SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
 from celery_guard.lease.liveness import ProcessLiveness, liveness_store
+from celery_guard.lease.relay import RelayRenewer, RenewalRelay
 from celery_guard.messages import PUBLISHED_AT_HEADER, preset_stamp
 from celery_guard.outbox import PublishTracker, connect_tracking
 from celery_guard.reaper import Reaper
@@ -95,6 +98,9 @@ class GuardRuntime:
         self.states = StateTracker()
         #: The reaper, in a worker's main process once the worker has started.
         self.reaper: Reaper | None = None
+        #: A prefork worker on PostgreSQL: the main process's renewal relay (bound in
+        #: ``worker_init``, served by ``GuardStep``), known to every pool process.
+        self.relay: RenewalRelay | None = None
 
     def _built(self) -> _Parts:
         parts = self._parts
@@ -322,6 +328,46 @@ def _stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None
         headers[PUBLISHED_AT_HEADER] = preset_stamp() or time.time()
 
 
+def _is_prefork(worker: Any) -> bool:
+    """Whether ``worker`` (a ``WorkController``) runs its bodies in prefork pool processes."""
+    pool_cls = getattr(worker, "pool_cls", None)
+    return isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
+
+
+def _prepare_budget(runtime: GuardRuntime, worker: Any) -> None:
+    """A prefork worker's main process on PostgreSQL: N + 2 connections in all.
+
+    The main keeps to its liveness session and a pool of one (reaper, sampler, worker
+    heartbeat, the relay's renewals); each pool process to one, its hot connection; the
+    relay carries the pool processes' renewal rounds and tells when one of them dies.
+    """
+    db = runtime.store.db
+    db.budget = "main"
+    db.worker_tag = str(os.getpid())
+    liveness = runtime.handler.liveness
+    if liveness is not None:
+        liveness.store.worker_tag = db.worker_tag  # guard_liveness_url: an engine of its own
+    hostname = worker.hostname
+    owner = f"{hostname}/{os.getpid()}"
+    leases = runtime.leases
+
+    def renew(pairs: list[tuple[str, int]], ttl: float) -> set[str]:
+        return leases.renew_leases(pairs, ttl)
+
+    def process_gone(pid: int) -> None:
+        reaper = runtime.reaper
+        if reaper is not None:
+            reaper.end_owner(f"{hostname}/{pid}")
+
+    def tick() -> None:
+        if liveness is not None:
+            liveness.hold_for_worker(owner)
+
+    relay = RenewalRelay(renew, on_process_gone=process_gone, tick=tick)
+    relay.bind()
+    runtime.relay = relay
+
+
 def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", app) is not app:
@@ -336,6 +382,9 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
         # and records them only when they are served.
         metrics.enable_multiprocess()
         metrics.connect_signals(config.metrics_port is not None)
+        if _is_prefork(sender) and runtime.store.db.dialect_name == "postgresql":
+            # Before the first connection: the main process keeps to two (docs/operations.md).
+            _prepare_budget(runtime, sender)
         if config.create_tables:
             # Once in the main process, before the pool forks, so children do not race to
             # create the same tables; then drop the connection so no child inherits it.
@@ -346,6 +395,11 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
                 # answers, deliveries are deferred rather than lost.
                 logger.error("celery_guard could not prepare the store at worker start: %s", exc)
         runtime.store.dispose()
+        if runtime.relay is not None and runtime.handler.liveness is not None:
+            # The worker's one liveness lock, held before the pool forks (and after the
+            # dispose, which would close it), so a pool process's first claim records a lock
+            # that is held.
+            runtime.handler.liveness.hold_for_worker(f"{sender.hostname}/{os.getpid()}")
         runtime.circuit.on_worker_init()  # backpressure: shared block, before the pool forks
 
     def on_task_unknown(
@@ -371,7 +425,21 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
             runtime.tracker.forget(key, task_id, why="revoked or expired before it ran")
 
     def on_worker_process_init(**_: Any) -> None:
-        runtime.store.reset_after_fork()
+        relay = runtime.relay
+        if relay is None:
+            runtime.store.reset_after_fork()
+        else:
+            # One connection for this process's claims, bodies and completions; renewals go
+            # through the main process (celery_guard/lease/relay.py).
+            runtime.store.reset_after_fork(budget="child")
+            renewer = RelayRenewer(
+                relay.address,
+                timeout=2 * runtime.config.store_timeout + 1,
+                observer=runtime.circuit.observe,
+            )
+            renewer.announce()
+            if runtime.leases.in_store:
+                runtime.heartbeat.backend = renewer
         runtime.circuit.on_child_start()  # backpressure: count this child's store calls
 
     def on_worker_process_shutdown(**_: Any) -> None:

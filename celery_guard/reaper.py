@@ -172,11 +172,7 @@ class Reaper:
     def _take_over_dead_owners(self, report: ReaperReport) -> None:
         """End the leases of keys whose owner process is gone (its liveness lock vanished)."""
         for key, token, live in self.store.dead_owner_keys(limit=BATCH):
-            # Redis leases: drop the dead owner's lease too (value-checked, so a newer holder's
-            # lease is never touched); the row's own lease time was set at claim only.
-            dropped = not self.leases.in_store and self.leases.release(key, token)
-            ended = (live and self.store.expire_lease(key, token)) or dropped
-            if ended:
+            if self._end_lease(key, token, live):
                 report.dead_owners.append(key)
                 logger.info(
                     "celery_guard reaper: owner of key=%s token=%s is dead (liveness lock "
@@ -184,6 +180,39 @@ class Reaper:
                     key,
                     token,
                 )
+
+    def end_owner(self, owner: str) -> list[str]:
+        """End at once the leases of ``owner``, a pool process of this worker that died while
+        the worker lives (its main process saw it go, celery_guard/lease/relay.py); the
+        holder's next pass re-publishes their messages. Returns the keys."""
+        ended: list[str] = []
+        try:
+            for key, token, live in self.store.running_of(owner, limit=BATCH):
+                if self._end_lease(key, token, live):
+                    ended.append(key)
+        except StoreError as exc:
+            logger.warning("celery_guard could not end the leases of %s: %s", owner, exc)
+        if ended:
+            logger.info(
+                "celery_guard: pool process %s died; ended the leases of %d keys (%s)",
+                owner,
+                len(ended),
+                ", ".join(ended[:5]),
+            )
+            signals.reaper_pass.send(
+                None,
+                recovered_for=[],
+                dead_owners=len(ended),
+                unclaimed_republished=0,
+                unclaimed_abandoned=0,
+            )
+        return ended
+
+    def _end_lease(self, key: str, token: int, live: bool) -> bool:
+        # Redis leases: drop the dead owner's lease too (value-checked, so a newer holder's
+        # lease is never touched); the row's own lease time was set at claim only.
+        dropped = not self.leases.in_store and self.leases.release(key, token)
+        return (live and self.store.expire_lease(key, token)) or dropped
 
     def _recover(self, record: KeyRecord, now: float, report: ReaperReport) -> None:
         if record.message is None:

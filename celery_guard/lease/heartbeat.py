@@ -2,7 +2,10 @@
 
 One heartbeat thread per process renews the leases of every execution running in that process,
 all in one store call per interval. It is started lazily by the first execution after fork, so a
-prefork parent never owns a thread its children would inherit half-dead.
+prefork parent never owns a thread its children would inherit half-dead. In a prefork pool
+process with leases in the store's rows, that call is one message to the main process's
+renewal relay (celery_guard/lease/relay.py): the process's one connection may be in its body's
+transaction.
 """
 
 from __future__ import annotations

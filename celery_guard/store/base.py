@@ -256,6 +256,9 @@ class RecoveryStore(Protocol):
     def dead_owner_keys(self, limit: int) -> list[tuple[str, int, bool]]:
         """(key, token, lease still running) of RUNNING keys whose owner's lock is gone."""
 
+    def running_of(self, owner: str, limit: int) -> list[tuple[str, int, bool]]:
+        """RUNNING keys whose owner is exactly ``owner``: (key, token, lease still running)."""
+
     def expire_lease(self, key: str, token: int) -> bool:
         """End a running lease now (its owner is dead)."""
 

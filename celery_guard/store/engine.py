@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select as io_select
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from sqlalchemy import Connection, Engine, RootTransaction, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
 from celery_guard.config import GuardConfig
 from celery_guard.errors import StoreError, StoreUnavailable
@@ -71,6 +73,18 @@ class StoreEngine:
         self._names_cache: dict[int, list[str]] = {}
         #: PostgreSQL: closes a call's connection when the server never answers (watchdog.py).
         self.watchdog = CallWatchdog(config.store_timeout + max(1.0, config.store_timeout / 2))
+        #: How this process may use connections (docs/operations.md, "The connection budget"):
+        #: ``"process"`` (the default: a hot connection and a pool), ``"child"`` (a prefork pool
+        #: process: the hot connection carries everything, including the body's transaction,
+        #: and anything that finds it busy opens a connection for that call only) or
+        #: ``"main"`` (a prefork worker's main process: no hot connection, a pool of one).
+        self.budget = "process"
+        #: Shown as the connections' ``application_name`` after ``celery_guard``: the worker's
+        #: main process id, so ``pg_stat_activity`` tells whose connections they are.
+        self.worker_tag: str | None = None
+        #: Driver connections opened outside the pool that live as long as the engine (the
+        #: liveness session), with the pid that opened each: dispose() closes that pid's.
+        self._kept: list[tuple[int, Any]] = []
 
     # -- engine lifecycle ---------------------------------------------------------------------
 
@@ -94,18 +108,38 @@ class StoreEngine:
                 self._engine_pid = pid
             return self._engine
 
-    def reset_after_fork(self) -> None:
-        """Forget the parent's engine; called from ``worker_process_init``."""
+    def reset_after_fork(self, budget: str | None = None) -> None:
+        """Forget the parent's engine; called from ``worker_process_init`` (``budget``: this
+        process's connection mode, see :attr:`budget`)."""
         with self._lock:
+            if budget is not None:
+                self.budget = budget
             self.hot.forget()
             if self._engine is not None and self._engine_pid != os.getpid():
                 self._engine.dispose(close=False)
                 self._engine = None
                 self._schema_ready = False
 
+    def keep(self, connection: Any) -> None:
+        """Close ``connection`` (a driver connection taken out of the pool) with the engine."""
+        with self._lock:
+            self._kept.append((os.getpid(), connection))
+
+    def forget_kept(self, connection: Any) -> None:
+        """``connection`` was closed by its user: :meth:`dispose` need not close it."""
+        with self._lock:
+            self._kept = [(pid, kept) for pid, kept in self._kept if kept is not connection]
+
     def dispose(self) -> None:
         """Close this process's connections (before a fork, or at shutdown)."""
         with self._lock:
+            mine = [kept for pid, kept in self._kept if pid == os.getpid()]
+            # Another process's (inherited across fork) stay referenced and open: closing them
+            # here would end the parent's session.
+            self._kept = [(pid, kept) for pid, kept in self._kept if pid != os.getpid()]
+            for connection in mine:
+                with contextlib.suppress(Exception):
+                    connection.close()
             self.hot.close()
             if self._engine is not None and self._engine_pid == os.getpid():
                 self._engine.dispose()
@@ -132,7 +166,7 @@ class StoreEngine:
             "keepalives_interval": 1,
             "keepalives_count": 3,
             "tcp_user_timeout": millis,
-            "application_name": "celery_guard",
+            "application_name": _application_name(self.worker_tag),
         }
         if self.config.store_pooling == "transaction":
             # A transaction pooler (PgBouncer) refuses startup options and would not keep a
@@ -141,7 +175,7 @@ class StoreEngine:
             # which the next transaction may not get: prepare none.
             del connect_args["options"]
             connect_args["prepare_threshold"] = None
-        engine = create_engine(url, connect_args=connect_args, pool_timeout=timeout)
+        engine = create_engine(url, connect_args=connect_args, **_pool(self.budget, timeout))
         if self.config.store_pooling == "transaction":
             _warn_without_role_timeouts(engine)
         self.watchdog.install(engine)
@@ -189,6 +223,11 @@ class StoreEngine:
         """
         engine = self.ready_engine()
         if self.dialect_name == "postgresql":
+            lent = self.lend(engine) if self.budget == "child" else None
+            if lent is not None:
+                # Already in autocommit: the statement commits as it runs.
+                with lent as connection:
+                    return _read(connection.execute(statement, parameters))
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
                 return _read(connection.execute(statement, parameters))
         options = {SQLITE_READ_ONLY: read_only}
@@ -207,7 +246,8 @@ class StoreEngine:
         own CPU per task (bench/overhead.py). Errors are re-raised as SQLAlchemy's, so
         :meth:`call` treats both paths alike.
         """
-        if self.dialect_name != "postgresql":
+        if self.dialect_name != "postgresql" or self.budget == "main":
+            # The main process keeps to its pool of one (docs/operations.md).
             return self.execute_single(statement, parameters)
         engine = self.ready_engine()
         sql, defaults = self._compiled(engine, statement)
@@ -243,6 +283,35 @@ class StoreEngine:
                         pooled.invalidate(exc)
         finally:
             pooled.close()
+
+    def lend(self, engine: Engine, *, transaction: bool = False) -> Connection | None:
+        """The hot connection as a SQLAlchemy ``Connection``, or ``None`` while it is busy.
+
+        A prefork pool process runs its body's ``transaction()`` and its other statements on
+        the connection its claims use, so that it holds one connection in all
+        (docs/design.md, "One connection per pool process"). With ``transaction`` the driver
+        leaves autocommit, so the body's writes stay in one transaction until celery_guard
+        commits them; closing the ``Connection`` ends the loan: whatever is still open rolls
+        back and the connection returns to autocommit. Invalidating it closes the connection
+        and the next claim opens another.
+        """
+        hot = self.hot
+        if not hot.try_acquire():
+            return None
+        try:
+            if transaction and hot.heard_from_server():
+                # An idle connection the server spoke on was ended (a restart, a reset): the
+                # body's transaction cannot be sent again, so start it on a new one.
+                hot.drop()
+            pooled = hot.pooled(engine)
+            if transaction:
+                pooled.dbapi_connection.autocommit = False
+            lent: Any = _Lent(pooled, hot)  # stands for the pool's proxy (duck-typed)
+            return Connection(engine, connection=lent)
+        except BaseException:
+            hot.drop()
+            hot.lock.release()
+            raise
 
     def execute_in_transaction(
         self, connection: Connection, statement: Any, parameters: dict[str, Any]
@@ -377,6 +446,25 @@ def _dbapi_connection(transaction: RootTransaction) -> Any:
         return transaction.connection.connection.dbapi_connection
     except sa_exc.SQLAlchemyError:
         return None
+
+
+def _application_name(worker_tag: str | None) -> str:
+    """``celery_guard``, or ``celery_guard <worker's main pid>/<pid>`` in a worker."""
+    if worker_tag is None:
+        return "celery_guard"
+    return f"celery_guard {worker_tag}/{os.getpid()}"
+
+
+def _pool(budget: str, timeout: float) -> dict[str, Any]:
+    """The pool that keeps this process within its connection budget (StoreEngine.budget)."""
+    if budget == "child":
+        # Everything runs on the hot connection; what finds it busy (a statement inside the
+        # body's transaction) opens a connection for that call and closes it after.
+        return {"poolclass": NullPool}
+    if budget == "main":
+        # The reaper, the sampler, the worker heartbeat and the renewal relay take turns.
+        return {"pool_size": 1, "max_overflow": 0, "pool_timeout": timeout}
+    return {"pool_timeout": timeout}
 
 
 def _tell(observer: StoreObserver, seconds: float, error: StoreError | None) -> None:
@@ -516,6 +604,52 @@ def _raw_connection(engine: Engine) -> Any:
         ) from exc
 
 
+class _Lent:
+    """The hot connection while a SQLAlchemy ``Connection`` borrows it (StoreEngine.lend).
+
+    Stands where SQLAlchemy expects a pooled connection: closing it ends the loan instead of
+    returning anything to a pool, and invalidating it closes the driver connection for good.
+    Everything else is the detached pool proxy's.
+    """
+
+    def __init__(self, pooled: Any, hot: HotConnection) -> None:
+        self._pooled = pooled
+        self._hot = hot
+        self._lent = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pooled, name)
+
+    def close(self) -> None:
+        self._give_back()
+
+    def _close_special(self, transaction_reset: bool = False) -> None:
+        self._give_back()
+
+    def invalidate(self, e: BaseException | None = None, soft: bool = False) -> None:
+        if self._lent:
+            self._lent = False
+            self._hot.drop()
+            self._hot.lock.release()
+
+    def _give_back(self) -> None:
+        if not self._lent:
+            return
+        self._lent = False
+        hot = self._hot
+        try:
+            connection = self._pooled.dbapi_connection
+            if connection is not None and not connection.closed:
+                if connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    connection.rollback()
+                connection.autocommit = True
+        except Exception:
+            # A connection that cannot return to a clean autocommit is not reused.
+            hot.drop()
+        finally:
+            hot.lock.release()
+
+
 class HotConnection:
     """One PostgreSQL connection per process, kept in autocommit for claim, complete, release.
 
@@ -531,6 +665,7 @@ class HotConnection:
         self._pid = os.getpid()
         self.lock = threading.Lock()
         self._connection: Any = None
+        self._pooled: Any = None
 
     def try_acquire(self) -> bool:
         """Take the hot connection for one statement; False while another thread has it."""
@@ -540,6 +675,10 @@ class HotConnection:
 
     def connection(self, engine: Engine) -> Any:
         """This process's hot psycopg connection (after :meth:`try_acquire`)."""
+        return self.pooled(engine).dbapi_connection
+
+    def pooled(self, engine: Engine) -> Any:
+        """The detached pool proxy of the hot connection (after :meth:`try_acquire`)."""
         connection = self._connection
         if connection is None or connection.closed:
             pooled = _raw_connection(engine)
@@ -555,11 +694,23 @@ class HotConnection:
                 connection.close()
                 raise
             self._connection = connection
-        return connection
+            self._pooled = pooled
+        return self._pooled
+
+    def heard_from_server(self) -> bool:
+        """Whether the idle connection has something to read: on an idle session that is the
+        server ending it, or the network resetting it (one ``select`` call, no round trip)."""
+        connection = self._connection
+        if connection is None or connection.closed:
+            return False
+        try:
+            return bool(io_select.select([connection.fileno()], [], [], 0)[0])
+        except (OSError, ValueError, psycopg.Error):
+            return True
 
     def drop(self) -> None:
         """Close and forget the connection (it failed); the next call opens a new one."""
-        connection, self._connection = self._connection, None
+        connection, self._connection, self._pooled = self._connection, None, None
         if connection is not None:
             with contextlib.suppress(Exception):
                 connection.close()
@@ -570,6 +721,7 @@ class HotConnection:
             self._pid = os.getpid()
             self.lock = threading.Lock()
             self._connection = None
+            self._pooled = None
 
     def close(self) -> None:
         """Close this process's hot connection (dispose)."""

@@ -203,7 +203,13 @@ class Keys:
         must commit with the key's COMPLETED marker. Savepoints are not reported.
         """
         engine = self.db.ready_engine()
-        connection = self.db.call(engine.connect)
+        connection = None
+        if self.db.budget == "child" and self.db.dialect_name == "postgresql":
+            # The connection the claim ran on, out of autocommit until the loan ends: a pool
+            # process holds one connection in all (docs/design.md).
+            connection = self.db.call(lambda: self.db.lend(engine, transaction=True))
+        if connection is None:
+            connection = self.db.call(engine.connect)
         if on_boundary is not None:
             connection.execution_options(**{BOUNDARY_HOOK: on_boundary})
         return connection

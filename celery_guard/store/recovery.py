@@ -127,6 +127,23 @@ class Recovery:
         parameters = {"p_key": key, "p_token": token}
         return self.db.call(lambda: self.db.execute_single(_EXPIRE_LEASE, parameters))[1] == 1
 
+    def running_of(self, owner: str, limit: int) -> list[tuple[str, int, bool]]:
+        """RUNNING keys whose owner is exactly ``owner`` (one pool process that died).
+
+        Returns (key, fencing token, whether the row's lease is still running).
+        """
+        statement = (
+            select(
+                keys.c.key,
+                keys.c.fencing_token,
+                (keys.c.lease_expires_at > db_epoch_now()).label("live"),
+            )
+            .where(keys.c.state == RUNNING, keys.c.owner == owner)
+            .limit(limit)
+        )
+        rows = self.db.call(lambda: self.db.execute_single(statement, read_only=True))[0]
+        return [(row["key"], int(row["fencing_token"]), bool(row["live"])) for row in rows]
+
     # -- a draining worker's keys -------------------------------------------------------------
 
     def count_running_owned(self, owner_prefix: str) -> int:

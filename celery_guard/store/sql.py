@@ -61,9 +61,10 @@ class SqlStore:
         """Create the tables if they are missing (when ``guard_create_tables`` is on)."""
         self.db.ensure_schema()
 
-    def reset_after_fork(self) -> None:
-        """Forget the parent's engine; called from ``worker_process_init``."""
-        self.db.reset_after_fork()
+    def reset_after_fork(self, budget: str | None = None) -> None:
+        """Forget the parent's engine; called from ``worker_process_init`` (``budget``: the
+        process's connection mode, ``StoreEngine.budget``)."""
+        self.db.reset_after_fork(budget)
 
     def dispose(self) -> None:
         """Close this process's connections (before a fork, or at shutdown)."""

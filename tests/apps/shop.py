@@ -166,6 +166,26 @@ def long_write(self: Any, tag: str, seconds: float) -> dict[str, Any]:
     return {"tag": tag, "pid": os.getpid(), "fencing_token": self.guard.fencing_token}
 
 
+@app.task(name="shop.write_and_hold", bind=True, idempotency_key="hold:{tag}")
+def write_and_hold(self: Any, tag: str, seconds: float) -> dict[str, Any]:
+    """Writes its effect first, then keeps its transaction open for ``seconds``: its lease must
+    be renewed while the body's transaction holds the pool process's connection."""
+    with self.guard.transaction() as connection:
+        connection.execute(
+            insert(effects).values(
+                tag=tag,
+                idempotency_key=self.guard.key,
+                fencing_token=self.guard.fencing_token,
+                pid=os.getpid(),
+            )
+        )
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.guard.check()
+    return {"tag": tag, "pid": os.getpid(), "fencing_token": self.guard.fencing_token}
+
+
 @app.task(name="shop.gated", bind=True, idempotency_key="gated:{tag}")
 def gated(self: Any, tag: str, limit: float = 120.0) -> dict[str, Any]:
     """Works until the test opens this execution's gate, then writes its effect.
