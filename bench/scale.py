@@ -32,15 +32,13 @@ and effect rows per key (one each, or the run fails).
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import multiprocessing
 import os
 import shlex
-import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +53,6 @@ import psycopg  # noqa: E402
 from bench.overhead import machine_info, write_section  # noqa: E402
 from celery_guard import GuardConfig  # noqa: E402
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore  # noqa: E402
-from tests.rig import procs  # noqa: E402
 from tests.rig.servers import PG_BIN, PostgresServer, RedisServer  # noqa: E402
 
 HEADING = "## Scale (bench/scale.py)"
@@ -118,7 +115,7 @@ ORDER BY 1
 def percentile(values: list[float], share: float) -> float:
     """The ``share`` quantile (0..1) of ``values``, nearest rank."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(share * len(ordered))) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
 
 
 def load() -> str:
@@ -161,17 +158,15 @@ def pg_test_fsync() -> str:
     binary = PG_BIN / "pg_test_fsync"
     if not binary.exists():
         return "pg_test_fsync not found"
-    scratch = ROOT / ".bench-fsync.tmp"
-    try:
+    # In the temporary directory, where the rig's PostgreSQL data directories live.
+    with tempfile.TemporaryDirectory(prefix="bench-fsync-") as scratch:
         done = subprocess.run(
-            [str(binary), "-s", "2", "-f", str(scratch)],
+            [str(binary), "-s", "2", "-f", str(Path(scratch) / "probe")],
             capture_output=True,
             text=True,
             timeout=120,
             check=False,
         )
-    finally:
-        scratch.unlink(missing_ok=True)
     for line in done.stdout.splitlines():
         if "fdatasync" in line and "ops/sec" in line:
             parts = line.split()
@@ -273,9 +268,11 @@ def run_keys(args: argparse.Namespace, rows: int, indexes: str) -> KeysRun:
                     "AND indexname <> 'celery_guard_keys_pkey'"
                 ).fetchall():
                     connection.execute(f'DROP INDEX "{row[0]}"')
-                connection.execute("ALTER TABLE celery_guard_keys RESET (fillfactor, "
-                                    "autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,"
-                                    " autovacuum_vacuum_insert_scale_factor)")
+                connection.execute(
+                    "ALTER TABLE celery_guard_keys RESET (fillfactor, "
+                    "autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,"
+                    " autovacuum_vacuum_insert_scale_factor)"
+                )
                 for statement in LEGACY_INDEXES:
                     connection.execute(statement)
             # The retention that makes keys expire as fast as the client inserts them.
@@ -352,7 +349,7 @@ def run_keys(args: argparse.Namespace, rows: int, indexes: str) -> KeysRun:
 def _md5(i: int) -> str:
     import hashlib
 
-    return hashlib.md5(str(i).encode()).hexdigest()  # noqa: S324  # the fill's key, not security
+    return hashlib.md5(str(i).encode()).hexdigest()  # the fill's key, not security
 
 
 # -- report -------------------------------------------------------------------------------
@@ -379,7 +376,7 @@ def render_keys(args: argparse.Namespace, runs: list[KeysRun]) -> list[str]:
         f"{args.expired:.0%} of the COMPLETED keys are already expired at the start (a backlog "
         "for pruning to catch up on). Latency is measured in the client around each call "
         "(round trip included). The claim commits without waiting for its WAL flush "
-        "(`guard_claim_synchronous_commit = \"off\"`), the completion waits for it.",
+        '(`guard_claim_synchronous_commit = "off"`), the completion waits for it.',
         "",
         "| Rows | Indexes | Claim p50 / p99 (ms) | New-key claim p50 / p99 | Duplicate p50 / p99 "
         "| Completion p50 / p99 | Claims/s | Pruned/s (busy share) | Pruning's own rate "
@@ -441,11 +438,12 @@ def render(
         f"`{command}`, {today}, {wall / 60:.0f} min. The method is in bench/scale.py's "
         "docstring. PostgreSQL as production runs it: fsync, synchronous_commit and "
         "full_page_writes on (the rig's `PostgresServer(durable=True)`, shared_buffers 64 MB). "
-        f"The disk's own fsync latency (pg_test_fsync, in the repository's directory): {fsync}.",
+        "The disk's own fsync latency (pg_test_fsync, in the temporary directory the servers' "
+        f"data lives in): {fsync}.",
         "",
     ]
     if runs:
-        out += render_keys(args, runs) + [""]
+        out += [*render_keys(args, runs), ""]
     out += claimers
     out += ["", "### Machine and versions", ""]
     out += [f"- {key}: {value}" for key, value in info.items()]
@@ -468,8 +466,11 @@ def main() -> None:
     parser.add_argument("--workers", default="2,4,8", help="worker counts for the claimers run")
     parser.add_argument("--concurrency", type=int, default=4, help="pool size per worker (4)")
     parser.add_argument("--tasks", type=int, default=4000, help="messages per claimers run")
-    parser.add_argument("--store-url", help="the claimers' store (default: a private durable "
-                        "PostgreSQL; a PgBouncer in front of one, say)")
+    parser.add_argument(
+        "--store-url",
+        help="the claimers' store (default: a private durable "
+        "PostgreSQL; a PgBouncer in front of one, say)",
+    )
     parser.add_argument("--skip", default="", help="keys and/or claimers: parts not to run")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--no-write", action="store_true", help="print, do not write --output")

@@ -35,6 +35,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.sql.elements import ColumnClause
 
 from celery_guard.errors import Fenced
 from celery_guard.store.base import (
@@ -57,8 +58,8 @@ DEAD = KeyState.DEAD.value
 #: The states as SQL literals, not bound parameters, where a scan must match a partial index
 #: (schema.RUNNING_INDEX, schema.PRUNABLE_INDEX): a prepared statement's generic plan cannot
 #: prove that ``state = $1`` implies the index's predicate, and would scan the table instead.
-RUNNING_SQL = literal_column(f"'{RUNNING}'")
-COMPLETED_SQL = literal_column(f"'{COMPLETED}'")
+RUNNING_SQL: ColumnClause[str] = literal_column(f"'{RUNNING}'")
+COMPLETED_SQL: ColumnClause[str] = literal_column(f"'{COMPLETED}'")
 
 #: The hand-written parts of the claim, by name (queries/keys.sql).
 SQL = texts("celery_guard.store.queries", "keys.sql")

@@ -56,10 +56,14 @@ def upgrade_keys_table(
                 continue
             if rows:  # an earlier concurrent build failed half way: start it again
                 run(f'DROP INDEX CONCURRENTLY IF EXISTS "{index.name}"')
-            create = create.replace("CREATE INDEX IF NOT EXISTS", "CREATE INDEX CONCURRENTLY IF NOT EXISTS")
+            create = create.replace(
+                "CREATE INDEX IF NOT EXISTS", "CREATE INDEX CONCURRENTLY IF NOT EXISTS"
+            )
             run(create)
         else:
-            before = query(f"SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = '{index.name}'")
+            before = query(
+                f"SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = '{index.name}'"
+            )
             if not before:
                 run(create)
     for name in LEGACY_KEY_INDEXES:

@@ -80,7 +80,9 @@ def test_migrate_upgrades_a_first_schema_database_once(
             connection.execute(text("DROP INDEX ix_celery_guard_keys_running"))
             connection.execute(text("DROP INDEX ix_celery_guard_keys_prunable"))
             connection.execute(
-                text("CREATE INDEX ix_celery_guard_keys_expires_at ON celery_guard_keys (expires_at)")
+                text(
+                    "CREATE INDEX ix_celery_guard_keys_expires_at ON celery_guard_keys (expires_at)"
+                )
             )
         first = run_guard("migrate", env=env)
         assert first.returncode == 0, first.stderr

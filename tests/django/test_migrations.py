@@ -15,7 +15,9 @@ pytestmark = [
     pytest.mark.django_db(transaction=True, databases=["default", "sqlite"]),
 ]
 
-MIGRATION = importlib.import_module("celery_guard.contrib.django.migrations.0002_partial_key_indexes")
+MIGRATION = importlib.import_module(
+    "celery_guard.contrib.django.migrations.0002_partial_key_indexes"
+)
 LEGACY_DDL = (
     "CREATE INDEX ix_celery_guard_keys_state_lease ON celery_guard_keys (state, lease_expires_at)",
     "CREATE INDEX ix_celery_guard_keys_expires_at ON celery_guard_keys (expires_at)",

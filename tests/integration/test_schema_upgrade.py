@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import create_engine, inspect, select, text
+from sqlalchemy import create_engine, inspect, text
 
 from celery_guard import GuardConfig
 from celery_guard.store import SqlStore
@@ -81,8 +81,7 @@ def test_an_old_database_is_upgraded_then_works_and_a_second_migrate_changes_not
 
     # What the reaper and pruning must still find, through the new indexes.
     wait_until(
-        lambda: [r.key for r in store.recovery.orphans(republish_after=60, limit=10)]
-        == ["orphan"],
+        lambda: [r.key for r in store.recovery.orphans(republish_after=60, limit=10)] == ["orphan"],
         timeout=10,
         what="the orphan's lease to expire",
     )
