@@ -32,6 +32,7 @@ and effect rows per key (one each, or the run fails).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import multiprocessing
 import os
@@ -39,6 +40,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +55,9 @@ import psycopg  # noqa: E402
 from bench.overhead import machine_info, write_section  # noqa: E402
 from celery_guard import GuardConfig  # noqa: E402
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore  # noqa: E402
+from tests.rig import procs  # noqa: E402
 from tests.rig.servers import PG_BIN, PostgresServer, RedisServer  # noqa: E402
+from tests.rig.workers import WorkerProcess  # noqa: E402
 
 HEADING = "## Scale (bench/scale.py)"
 #: The reaper's default pass interval (``guard_reaper_interval``) and its pruning batch.
@@ -195,6 +199,7 @@ class KeysRun:
     backlog_before: int = 0
     backlog_after: int = 0
     retention: float = 0.0
+    drain_rate: float = 0.0
     sizes_before: dict[str, int] = field(default_factory=dict)
     sizes_after: dict[str, int] = field(default_factory=dict)
     stats_before: dict[str, float] = field(default_factory=dict)
@@ -216,6 +221,8 @@ def prune_loop(url: str, stop_at: float, report: Any) -> None:
                 report[0] += pruned
                 report[1] += busy
                 report[2] += 1
+                if pruned >= 1000:  # a pass that met a backlog: pruning's own pace
+                    report[3] = max(report[3], pruned / max(busy, 1e-9))
             next_pass += REAPER_INTERVAL
             time.sleep(max(0.0, min(next_pass, stop_at) - time.time()))
     finally:
@@ -293,7 +300,7 @@ def run_keys(args: argparse.Namespace, rows: int, indexes: str) -> KeysRun:
         # COMPLETED keys (i % 100 = 50) from the half of the table that expires last.
         step = max(100, (rows // 2) // 5000 // 100 * 100)
         duplicates = [f"bench.scale:{_md5(i)}" for i in range(rows // 2 + 50, rows, step)]
-        report = multiprocessing.get_context("spawn").Array("d", 3)
+        report = multiprocessing.get_context("spawn").Array("d", 4)
         stop_at = time.time() + args.seconds
         pruner = multiprocessing.get_context("spawn").Process(
             target=prune_loop, args=(url, stop_at, report), daemon=True
@@ -328,6 +335,7 @@ def run_keys(args: argparse.Namespace, rows: int, indexes: str) -> KeysRun:
                 pruner.kill()
                 pruner.join(10)
         run.pruned, run.prune_seconds, run.prune_passes = int(report[0]), report[1], int(report[2])
+        run.drain_rate = report[3]
         run.backlog_after = expired_backlog(url)
         run.stats_after = table_stats(url)
         run.sizes_after = sizes(url)
@@ -379,20 +387,21 @@ def render_keys(args: argparse.Namespace, runs: list[KeysRun]) -> list[str]:
         '(`guard_claim_synchronous_commit = "off"`), the completion waits for it.',
         "",
         "| Rows | Indexes | Claim p50 / p99 (ms) | New-key claim p50 / p99 | Duplicate p50 / p99 "
-        "| Completion p50 / p99 | Claims/s | Pruned/s (busy share) | Pruning's own rate "
+        "| Completion p50 / p99 | Claims/s | Pruned/s (share of time pruning) "
+        "| Fastest pass through the backlog "
         "| Expired backlog start → end | Load (1/5/15) |",
         "|---:|---|---|---|---|---|---:|---:|---:|---|---|",
     ]
     for run in runs:
         rate = len(run.claims) / max(run.seconds, 1e-9)
         busy = run.prune_seconds / max(run.seconds, 1e-9)
-        own = run.pruned / max(run.prune_seconds, 1e-9)
         out.append(
             f"| {run.rows:,} | {run.indexes} | {_ms(run.claims, 0.5)} / {_ms(run.claims, 0.99)} "
             f"| {_ms(run.new_claims, 0.5)} / {_ms(run.new_claims, 0.99)} "
             f"| {_ms(run.duplicate_claims, 0.5)} / {_ms(run.duplicate_claims, 0.99)} "
             f"| {_ms(run.completions, 0.5)} / {_ms(run.completions, 0.99)} | {rate:,.0f} "
-            f"| {run.pruned / max(run.seconds, 1e-9):,.0f} ({busy:.0%}) | {own:,.0f} rows/s "
+            f"| {run.pruned / max(run.seconds, 1e-9):,.0f} ({busy:.0%}) "
+            f"| {run.drain_rate:,.0f} rows/s "
             f"| {run.backlog_before:,} → {run.backlog_after:,} | {run.load} |"
         )
     out += [
@@ -460,9 +469,9 @@ def main() -> None:
     parser.add_argument("--indexes", default="partial", help="partial and/or legacy (partial)")
     parser.add_argument("--seconds", type=float, default=60, help="measured seconds per size")
     parser.add_argument(
-        "--insert-rate", type=float, default=300, help="the rate the retention is sized for"
+        "--insert-rate", type=float, default=600, help="the rate the retention is sized for"
     )
-    parser.add_argument("--expired", type=float, default=0.01, help="share expired at start")
+    parser.add_argument("--expired", type=float, default=0.02, help="share expired at start")
     parser.add_argument("--workers", default="2,4,8", help="worker counts for the claimers run")
     parser.add_argument("--concurrency", type=int, default=4, help="pool size per worker (4)")
     parser.add_argument("--tasks", type=int, default=4000, help="messages per claimers run")
@@ -470,6 +479,9 @@ def main() -> None:
         "--store-url",
         help="the claimers' store (default: a private durable "
         "PostgreSQL; a PgBouncer in front of one, say)",
+    )
+    parser.add_argument(
+        "--claimers-timeout", type=float, default=600, help="seconds allowed per claimers run"
     )
     parser.add_argument("--skip", default="", help="keys and/or claimers: parts not to run")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -503,10 +515,194 @@ def main() -> None:
         print(f"written to {args.output}")
 
 
+# -- many claimers ------------------------------------------------------------------------
+
+
+@dataclass
+class ClaimersRun:
+    workers: int
+    tasks: int
+    unique: int
+    seconds: float = 0.0
+    deadlocks: int = 0
+    lock_samples: int = 0
+    samples: int = 0
+    most_waiting: int = 0
+    wait_events: collections.Counter[str] = field(default_factory=collections.Counter)
+    leader_changes: int = 0
+    effects: int = 0
+    doubled: int = 0
+    effect_span: float = 0.0
+    load: str = ""
+
+
+def _pg_url(url: str) -> str:
+    return url if "+psycopg" in url else url.replace("postgresql://", "postgresql+psycopg://", 1)
+
+
 def run_claimers(
     args: argparse.Namespace, postgres: PostgresServer, redis_server: RedisServer
 ) -> list[str]:
-    return []
+    """Each ``--workers`` count in turn, on a fresh effect table and keys table."""
+    url = _pg_url(args.store_url or postgres.url)
+    env = {"BENCH_BROKER_URL": redis_server.url_for(0), "BENCH_STORE_URL": url}
+    os.environ.update(env)  # read by bench.scale_app when it is imported
+    from bench import scale_app
+    from celery_guard import get_runtime
+
+    runtime = get_runtime(scale_app.app)
+    runtime.migrate()
+    scale_app.metadata.create_all(runtime.store.engine)
+    runtime.store.dispose()
+    runs = []
+    for workers in _list(args.workers, int):
+        runs.append(claimers_once(args, workers, url, env, redis_server, scale_app))
+    return render_claimers(args, runs)
+
+
+def claimers_once(
+    args: argparse.Namespace,
+    workers: int,
+    url: str,
+    env: dict[str, str],
+    redis_server: RedisServer,
+    scale_app: Any,
+) -> ClaimersRun:
+
+    unique = int(args.tasks * (1 - DUPLICATE_SHARE))
+    run = ClaimersRun(workers=workers, tasks=args.tasks, unique=unique)
+    queue = f"bench.scale.{workers}.{time.time_ns()}"
+    with psycopg.connect(dsn(url), autocommit=True) as connection:
+        connection.execute("TRUNCATE bench_scale_effects, celery_guard_keys")
+        connection.execute(
+            "DELETE FROM celery_guard_leaders WHERE name <> 'celery_guard.token_floor'"
+        )
+    # Every tenth message repeats an earlier key, spread through the backlog.
+    numbers = list(range(unique))
+    for position in range(args.tasks - unique):
+        numbers.insert((position + 1) * 10 - 1, position * 7 % unique)
+    with scale_app.app.producer_or_acquire() as producer:
+        for n in numbers:
+            scale_app.effect.apply_async((n,), queue=queue, producer=producer)
+    deadlocks_before = _deadlocks(url)
+    started_workers = [
+        WorkerProcess(
+            scale_app.__name__,
+            env=env,
+            cwd=ROOT,
+            concurrency=args.concurrency,
+            queues=queue,
+            loglevel="WARNING",
+        )
+        for _ in range(workers)
+    ]
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_locks, args=(url, run, stop), daemon=True)
+    try:
+        for worker in started_workers:
+            worker.start(wait_ready=False)
+        sampler.start()
+        started = time.monotonic()
+
+        def drained() -> bool:
+            for worker in started_workers:
+                if not worker.is_alive():
+                    raise RuntimeError(f"a worker exited with code {worker.returncode}")
+            with psycopg.connect(dsn(url), autocommit=True) as connection:
+                row = connection.execute(
+                    "SELECT (SELECT count(*) FROM bench_scale_effects), "
+                    "(SELECT COALESCE(sum(duplicates), 0) FROM celery_guard_keys)"
+                ).fetchone()
+            assert row is not None
+            return bool(row[0] >= unique and row[1] >= args.tasks - unique)
+
+        procs.wait_until(drained, args.claimers_timeout, f"{args.tasks} messages drained", 0.2)
+        run.seconds = time.monotonic() - started
+        run.load = load()
+    finally:
+        stop.set()
+        for worker in started_workers:
+            worker.cleanup()  # warm shutdown by PID, SIGKILL after 20 s
+        sampler.join(10)
+    run.deadlocks = _deadlocks(url) - deadlocks_before
+    with psycopg.connect(dsn(url), autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT count(*), count(*) - count(DISTINCT key), max(at) - min(at) "
+            "FROM bench_scale_effects"
+        ).fetchone()
+        leader = connection.execute(
+            "SELECT term FROM celery_guard_leaders WHERE name = 'reaper'"
+        ).fetchone()
+    assert row is not None
+    run.effects, run.doubled = int(row[0]), int(row[1])
+    run.effect_span = float(row[2] or 0.0)
+    run.leader_changes = max(0, int(leader[0]) - 1) if leader else 0
+    print(
+        f"{workers} workers x {args.concurrency}: {run.unique / run.effect_span:.0f} effects/s, "
+        f"deadlocks {run.deadlocks}, lock-wait samples {run.lock_samples}/{run.samples}, "
+        f"leader changes {run.leader_changes}, effects {run.effects} ({run.doubled} doubled)",
+        flush=True,
+    )
+    if run.doubled or run.effects != unique:
+        raise RuntimeError(f"{run.effects} effect rows for {unique} keys ({run.doubled} doubled)")
+    return run
+
+
+def _deadlocks(url: str) -> int:
+    with psycopg.connect(dsn(url), autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _sample_locks(url: str, run: ClaimersRun, stop: threading.Event) -> None:
+    """Every 50 ms: how many of the database's sessions wait on a heavyweight lock, and on what."""
+    with psycopg.connect(dsn(url), autocommit=True) as connection:
+        while not stop.wait(0.05):
+            rows = connection.execute(
+                "SELECT wait_event_type, wait_event FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                "AND state = 'active' AND wait_event_type IN ('Lock', 'LWLock')"
+            ).fetchall()
+            run.samples += 1
+            locks = [f"{kind}:{event}" for kind, event in rows]
+            heavy = sum(1 for kind, _ in rows if kind == "Lock")
+            if heavy:
+                run.lock_samples += 1
+            run.most_waiting = max(run.most_waiting, heavy)
+            run.wait_events.update(locks)
+
+
+def render_claimers(args: argparse.Namespace, runs: list[ClaimersRun]) -> list[str]:
+    out = [
+        "### Many claimers",
+        "",
+        f"Real `celery worker` processes (prefork, concurrency {args.concurrency}, prefetch 4), "
+        f"a Redis broker, {'`--store-url`' if args.store_url else 'the durable PostgreSQL'}; a "
+        f"backlog of {args.tasks:,} messages published before the workers start, every tenth "
+        "repeating an earlier key (bench/scale_app.py: its effect row commits with the key's "
+        "COMPLETED marker). The rate is effects per second from the first effect committed "
+        "to the last (worker start-up left out); the wall time runs from the workers' start to "
+        "the last duplicate answered. Lock waits: `pg_stat_activity` sampled every "
+        "50 ms (sessions in `wait_event_type = 'Lock'`); deadlocks: "
+        "`pg_stat_database.deadlocks` before and after; leader changes: the reaper's "
+        "`celery_guard_leaders.term` minus its first.",
+        "",
+        "| Workers | Effects/s | Wall (s) | Deadlocks | Samples with a lock wait "
+        "| Most sessions waiting | Wait events seen (samples) | Reaper leader changes "
+        "| Effect rows / keys | Load |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
+    ]
+    for run in runs:
+        events = ", ".join(f"{name} {count}" for name, count in run.wait_events.most_common(4))
+        out.append(
+            f"| {run.workers} | {run.unique / max(run.effect_span, 1e-9):,.0f} "
+            f"| {run.seconds:.0f} | {run.deadlocks} "
+            f"| {run.lock_samples} of {run.samples} | {run.most_waiting} | {events or 'none'} "
+            f"| {run.leader_changes} | {run.effects:,} / {run.unique:,} | {run.load} |"
+        )
+    return out
 
 
 if __name__ == "__main__":
