@@ -3,6 +3,7 @@ runs), and the bounded pruning pass, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -185,3 +186,46 @@ def test_the_reapers_scans_read_the_partial_indexes_even_as_prepared_statements(
         )
     finally:
         admin.dispose()
+
+
+def test_a_key_taken_over_while_pruning_waits_on_its_row_is_not_deleted(pg_url: str) -> None:
+    """Pruning picks its batch from a snapshot, then deletes. A claim that takes an expired key
+    over in between holds the row; when the delete gets it, the row is RUNNING and must stay.
+    (PostgreSQL re-checks only the delete's own conditions against the row's new version, not
+    the subquery's: those conditions are repeated on the delete.)"""
+    store = SqlStore(GuardConfig(store_url=pg_url, store_timeout=10.0))
+    engine = create_engine(pg_url)
+    try:
+        store.ensure_schema()
+        store.keys.complete("k", claim(store, "k"), "1", retention=0.0)
+        with engine.connect() as claimer:
+            claimer.execute(
+                text(
+                    "UPDATE celery_guard_keys SET state = 'RUNNING', "
+                    "fencing_token = fencing_token + 1, expires_at = NULL WHERE key = 'k'"
+                )
+            )  # a takeover, not committed yet
+            pruned: list[int] = []
+            worker = threading.Thread(target=lambda: pruned.append(store.recovery.prune_pass(10)))
+            worker.start()
+
+            def waiting() -> bool:
+                with engine.connect() as observer:
+                    return bool(
+                        observer.scalar(
+                            text(
+                                "SELECT count(*) FROM pg_stat_activity WHERE "
+                                "wait_event_type = 'Lock' AND query LIKE 'DELETE FROM%'"
+                            )
+                        )
+                    )
+
+            wait_until(waiting, timeout=10, what="pruning's delete to wait on the row")
+            claimer.commit()
+            worker.join(timeout=10)
+        assert pruned == [0]
+        record = store.keys.get("k")
+        assert record is not None and record.state == "RUNNING"
+    finally:
+        engine.dispose()
+        store.dispose()
