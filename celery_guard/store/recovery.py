@@ -199,9 +199,8 @@ class Recovery:
         if keep_tracked:
             expired += (~exists().where(published.c.key == keys.c.key),)
         # In expiry order: the planner then reads the partial index (schema.PRUNABLE_INDEX)
-        # from its oldest entry. Without an order it judged a sequential scan cheaper, which
-        # after a few batches read every page the earlier batches had emptied: 1,000 rows
-        # took 1.4 s at a million rows (bench/scale.py).
+        # from its oldest entry. Without an order it chose a sequential scan (EXPLAIN at a
+        # million rows), which reads the pages earlier batches emptied before it finds rows.
         batch = (
             select(keys.c.fencing_token)
             .where(*expired)
