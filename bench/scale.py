@@ -415,7 +415,7 @@ def render_keys(args: argparse.Namespace, runs: list[KeysRun]) -> list[str]:
             f"| {_ms(run.duplicate_claims, 0.5)} / {_ms(run.duplicate_claims, 0.99)} "
             f"| {_ms(run.completions, 0.5)} / {_ms(run.completions, 0.99)} | {rate:,.0f} "
             f"| {run.pruned / max(run.seconds, 1e-9):,.0f} ({busy:.0%}) "
-            f"| {run.drain_rate:,.0f} rows/s "
+            f"| {f'{run.drain_rate:,.0f} rows/s' if run.drain_rate else 'no pass used its budget'} "
             f"| {run.backlog_before:,} → {run.backlog_after:,} | {run.load} |"
         )
     out += [
@@ -633,24 +633,27 @@ def claimers_once(
         procs.wait_until(drained, args.claimers_timeout, f"{args.tasks} messages drained", 0.2)
         run.seconds = time.monotonic() - started
         run.load = load()
+        # Read before the workers stop: each warm shutdown of the leader hands the lease on.
+        with psycopg.connect(dsn(url), autocommit=True) as connection:
+            leader = connection.execute(
+                "SELECT term FROM celery_guard_leaders WHERE name = 'reaper'"
+            ).fetchone()
+        leader_changes = max(0, int(leader[0]) - 1) if leader else 0
     finally:
         stop.set()
         for worker in started_workers:
             worker.cleanup()  # warm shutdown by PID, SIGKILL after 20 s
         sampler.join(10)
     run.deadlocks = _deadlocks(url) - deadlocks_before
+    run.leader_changes = leader_changes
     with psycopg.connect(dsn(url), autocommit=True) as connection:
         row = connection.execute(
             "SELECT count(*), count(*) - count(DISTINCT key), max(at) - min(at) "
             "FROM bench_scale_effects"
         ).fetchone()
-        leader = connection.execute(
-            "SELECT term FROM celery_guard_leaders WHERE name = 'reaper'"
-        ).fetchone()
     assert row is not None
     run.effects, run.doubled = int(row[0]), int(row[1])
     run.effect_span = float(row[2] or 0.0)
-    run.leader_changes = max(0, int(leader[0]) - 1) if leader else 0
     print(
         f"{workers} workers x {args.concurrency}: {run.unique / run.effect_span:.0f} effects/s, "
         f"deadlocks {run.deadlocks}, lock-wait samples {run.lock_samples}/{run.samples}, "
@@ -701,7 +704,7 @@ def render_claimers(args: argparse.Namespace, runs: list[ClaimersRun]) -> list[s
         "the last duplicate answered. Lock waits: `pg_stat_activity` sampled every "
         "50 ms (sessions in `wait_event_type = 'Lock'`); deadlocks: "
         "`pg_stat_database.deadlocks` before and after; leader changes: the reaper's "
-        "`celery_guard_leaders.term` minus its first.",
+        "`celery_guard_leaders.term` minus its first, read before the workers stop.",
         "",
         "| Workers | Effects/s | Wall (s) | Deadlocks | Samples with a lock wait "
         "| Most sessions waiting | Wait events seen (samples) | Reaper leader changes "

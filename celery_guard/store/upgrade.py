@@ -6,7 +6,7 @@ by ``celery -A app guard migrate`` and by the Django migration ``0002_partial_ke
 
 - the keys table's two full indexes are replaced by two partial ones (the RUNNING keys; the
   COMPLETED keys with an expiry), which stay small however many keys are retained;
-- the keys table's storage parameters (fillfactor, autovacuum thresholds) on PostgreSQL.
+- the keys table's autovacuum thresholds (storage parameters) on PostgreSQL.
 
 Every step is idempotent, so running it again, or on a database ``create_all`` made with the
 current schema, changes nothing. On PostgreSQL the indexes are built ``CONCURRENTLY`` (claims
