@@ -216,9 +216,10 @@ class GuardRuntime:
         """
         return self._built().config
 
-    def migrate(self) -> None:
-        """Create the store's tables when missing."""
-        self.store.ensure_schema()
+    def migrate(self) -> list[str]:
+        """Create the store's tables when missing and upgrade existing ones to the current
+        schema (idempotent); returns the upgrade's statements (none when it was current)."""
+        return self.store.migrate()
 
 
 def install(app: Celery, integration: Integration | None = None) -> GuardRuntime:

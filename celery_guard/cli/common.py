@@ -247,13 +247,15 @@ def guard() -> None:
 @guard.command(cls=CeleryCommand, name="migrate")
 @click.pass_context
 def migrate(ctx: Any) -> None:
-    """Create celery_guard's tables in the store when they are missing."""
+    """Create celery_guard's tables when missing and upgrade existing ones (idempotent)."""
     app = ctx.obj.app
     runtime = install(app)
     try:
-        runtime.migrate()
+        changed = runtime.migrate()
     except GuardError as exc:
         raise click.ClickException(str(exc)) from None
+    for statement in changed:
+        click.echo(f"upgraded: {statement}")
     click.echo(f"celery_guard tables are ready in {runtime.config.safe_store_url()}")
 
 

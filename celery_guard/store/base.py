@@ -265,6 +265,9 @@ class RecoveryStore(Protocol):
     def prune_completed(self, limit: int, keep_tracked: bool = False) -> int:
         """Delete up to ``limit`` COMPLETED keys whose retention ended; return how many."""
 
+    def prune_pass(self, budget: float, keep_tracked: bool = False) -> int:
+        """Prune in batches until none is left, ``budget`` seconds pass, or the batch cap."""
+
 
 class PublishLog(Protocol):
     """What the producer's publish tracking (``PublishTracker``) needs."""

@@ -27,6 +27,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     func,
+    literal_column,
     or_,
     select,
     text,
@@ -34,6 +35,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.sql.elements import ColumnClause
 
 from celery_guard.errors import Fenced
 from celery_guard.store.base import (
@@ -52,6 +54,12 @@ RUNNING = KeyState.RUNNING.value
 COMPLETED = KeyState.COMPLETED.value
 RELEASED = KeyState.RELEASED.value
 DEAD = KeyState.DEAD.value
+
+#: The states as SQL literals, not bound parameters, where a scan must match a partial index
+#: (schema.RUNNING_INDEX, schema.PRUNABLE_INDEX): a prepared statement's generic plan cannot
+#: prove that ``state = $1`` implies the index's predicate, and would scan the table instead.
+RUNNING_SQL: ColumnClause[str] = literal_column(f"'{RUNNING}'")
+COMPLETED_SQL: ColumnClause[str] = literal_column(f"'{COMPLETED}'")
 
 #: The hand-written parts of the claim, by name (queries/keys.sql).
 SQL = texts("celery_guard.store.queries", "keys.sql")
@@ -244,7 +252,7 @@ class Keys:
         """The RUNNING key claimed longest ago (a claim sets ``updated_at``), or ``None``."""
         statement = (
             select(keys)
-            .where(keys.c.state == RUNNING)
+            .where(keys.c.state == RUNNING_SQL)
             .order_by(keys.c.updated_at, keys.c.key)
             .limit(1)
         )
@@ -257,7 +265,7 @@ class Keys:
             select(func.count().label("n"))
             .select_from(keys)
             .where(
-                keys.c.state == RUNNING,
+                keys.c.state == RUNNING_SQL,
                 or_(keys.c.lease_expires_at.is_(None), keys.c.lease_expires_at <= db_epoch_now()),
             )
         )
@@ -269,7 +277,9 @@ class Keys:
     ) -> list[KeyRecord]:
         """RUNNING keys in key order, after ``after`` (keyset paging); ``expired_only`` keeps
         those whose row lease has expired."""
-        statement = select(keys).where(keys.c.state == RUNNING).order_by(keys.c.key).limit(limit)
+        statement = (
+            select(keys).where(keys.c.state == RUNNING_SQL).order_by(keys.c.key).limit(limit)
+        )
         if expired_only:
             statement = statement.where(
                 or_(keys.c.lease_expires_at.is_(None), keys.c.lease_expires_at <= db_epoch_now())

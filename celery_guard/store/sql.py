@@ -18,6 +18,7 @@ from celery_guard.store.engine import StoreEngine, StoreObserver
 from celery_guard.store.keys import Keys
 from celery_guard.store.publishes import Publishes
 from celery_guard.store.recovery import Recovery
+from celery_guard.store.upgrade import upgrade
 from celery_guard.store.workers import Workers
 
 __all__ = ["SqlStore", "StoreObserver"]
@@ -60,6 +61,12 @@ class SqlStore:
     def ensure_schema(self) -> None:
         """Create the tables if they are missing (when ``guard_create_tables`` is on)."""
         self.db.ensure_schema()
+
+    def migrate(self) -> list[str]:
+        """Create the missing tables, then upgrade existing ones to the current schema
+        (:mod:`celery_guard.store.upgrade`); idempotent. Returns the upgrade's statements."""
+        self.db.ensure_schema()
+        return self.db.call(lambda: upgrade(self.db.engine))
 
     def reset_after_fork(self, budget: str | None = None) -> None:
         """Forget the parent's engine; called from ``worker_process_init`` (``budget``: the

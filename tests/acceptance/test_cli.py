@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 import celery_guard
 from celery_guard import GuardConfig
@@ -64,6 +64,35 @@ def test_migrate_creates_the_tables_and_can_run_again(
     engine = create_engine(url)
     try:
         assert "celery_guard_keys" in inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
+def test_migrate_upgrades_a_first_schema_database_once(
+    postgres: PostgresServer, redis_server: RedisServer
+) -> None:
+    url = postgres.create_database("cli_migrate_upgrade")
+    env = {"CG_STORE_URL": url, "CG_BROKER_URL": redis_server.url_for(7)}
+    assert run_guard("migrate", env=env).returncode == 0
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:  # back to the first schema's two full indexes
+            connection.execute(text("DROP INDEX ix_celery_guard_keys_running"))
+            connection.execute(text("DROP INDEX ix_celery_guard_keys_prunable"))
+            connection.execute(
+                text(
+                    "CREATE INDEX ix_celery_guard_keys_expires_at ON celery_guard_keys (expires_at)"
+                )
+            )
+        first = run_guard("migrate", env=env)
+        assert first.returncode == 0, first.stderr
+        assert "upgraded: CREATE INDEX CONCURRENTLY" in first.stdout
+        assert "upgraded: DROP INDEX CONCURRENTLY" in first.stdout
+        again = run_guard("migrate", env=env)
+        assert again.returncode == 0, again.stderr
+        assert "upgraded" not in again.stdout
+        names = {index["name"] for index in inspect(engine).get_indexes("celery_guard_keys")}
+        assert names == {"ix_celery_guard_keys_running", "ix_celery_guard_keys_prunable"}
     finally:
         engine.dispose()
 

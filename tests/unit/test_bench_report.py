@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from pathlib import Path
 
@@ -43,3 +44,37 @@ def test_a_count_that_differs_from_the_mechanism_is_flagged_not_explained() -> N
     (line,) = peers.fault_reading(runs)
     assert "Not what was expected" in line
     assert "GuardedTask 2" in line
+
+
+def test_scale_reports_percentiles_and_every_run_beside_its_load() -> None:
+    from bench import scale
+
+    assert scale.percentile([float(n) for n in range(1, 101)], 0.5) == 50.0
+    assert scale.percentile([float(n) for n in range(1, 101)], 0.99) == 99.0
+    args = argparse.Namespace(
+        seconds=60.0, insert_rate=600.0, expired=0.02, concurrency=4, tasks=100, store_url=None
+    )
+    stats = {"updated": 0.0, "hot": 0.0, "autovacuums": 0.0}
+    run = scale.KeysRun(
+        rows=1000,
+        indexes="partial",
+        claims=[0.0003, 0.0004],
+        completions=[0.001],
+        seconds=1.0,
+        load="1.00/1.00/1.00",
+        sizes_before={"celery_guard_keys": 2**20},
+        sizes_after={"celery_guard_keys": 2**21},
+        stats_before=stats,
+        stats_after=stats,
+    )
+    claimers = scale.ClaimersRun(
+        workers=2, tasks=100, unique=90, seconds=5.0, effects=90, effect_span=1.0, load="2.00"
+    )
+    keys_lines = scale.render_keys(args, [run])
+    claimer_lines = scale.render_claimers(args, [claimers])
+    assert any(line.startswith("| 1,000 | partial | 0.300 / 0.400") for line in keys_lines)
+    assert any("1.00/1.00/1.00" in line for line in keys_lines)
+    assert any("celery_guard_keys: 1.0 → 2.0" in line for line in keys_lines)
+    assert any(
+        line.startswith("| 2 | 90 | 5 | 0 |") and "90 / 90" in line for line in claimer_lines
+    )
