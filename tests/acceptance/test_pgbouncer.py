@@ -21,6 +21,7 @@ from types import ModuleType
 
 import pytest
 from celery import Celery
+from celery import _state as celery_state
 
 import celery_guard
 from celery_guard import GuardConfig
@@ -110,7 +111,12 @@ def shop(shop_env: dict[str, str]) -> Iterator[ModuleType]:
     spec = importlib.util.spec_from_file_location("tests.apps.shop_behind_pgbouncer", SHOP_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # The shop's tasks are shared (Celery's default): every app finalized later would take
+    # the copy's too, beside the session's shop module's, under the same names. The copy
+    # keeps its own tasks; no other app gets them.
+    shared_before = set(celery_state._on_app_finalizers)
     spec.loader.exec_module(module)
+    celery_state._on_app_finalizers.intersection_update(shared_before)
     assert module.app.conf.guard_store_pooling == "transaction"
     runtime = celery_guard.get_runtime(module.app)
     runtime.migrate()

@@ -135,9 +135,12 @@ def test_a_liveness_lock_through_the_direct_url_is_seen_and_lost_by_the_pooled_r
         assert store.recovery.dead_owner_keys(limit=10) == [], "its session holds the lock"
         # The owner's session ends, as a SIGKILLed process's would.
         with psycopg.connect(postgres.dsn_for("postgres"), autocommit=True) as admin:
+            # This test's database only: the server is the whole session's.
             ended = admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE query LIKE '%pg_try_advisory_lock%' AND pid <> pg_backend_pid()"
+                " WHERE query LIKE '%%pg_try_advisory_lock%%' AND pid <> pg_backend_pid()"
+                " AND datname = %s",
+                (pg_url.rsplit("/", 1)[1],),
             ).fetchall()
         assert ended == [(True,)]
         wait_until(
