@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import json
 import multiprocessing
 import os
 import shlex
@@ -56,7 +57,7 @@ from bench.overhead import machine_info, write_section  # noqa: E402
 from celery_guard import GuardConfig  # noqa: E402
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore  # noqa: E402
 from tests.rig import procs  # noqa: E402
-from tests.rig.servers import PG_BIN, PostgresServer, RedisServer  # noqa: E402
+from tests.rig.servers import PG_BIN, PgBouncerServer, PostgresServer, RedisServer  # noqa: E402
 from tests.rig.workers import WorkerProcess  # noqa: E402
 
 HEADING = "## Scale (bench/scale.py)"
@@ -495,6 +496,11 @@ def main() -> None:
         "PostgreSQL; a PgBouncer in front of one, say)",
     )
     parser.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="the claimers' store through a private PgBouncer in transaction pooling",
+    )
+    parser.add_argument(
         "--claimers-timeout", type=float, default=600, help="seconds allowed per claimers run"
     )
     parser.add_argument("--skip", default="", help="keys and/or claimers: parts not to run")
@@ -560,6 +566,17 @@ def run_claimers(
     """Each ``--workers`` count in turn, on a fresh effect table and keys table."""
     url = _pg_url(args.store_url or postgres.url)
     env = {"BENCH_BROKER_URL": redis_server.url_for(0), "BENCH_STORE_URL": url}
+    bouncer: PgBouncerServer | None = None
+    if args.pgbouncer:
+        # The workers' store through PgBouncer in transaction pooling, their liveness session
+        # straight to PostgreSQL (docs/pgbouncer.md); the bench's own reads go through it too.
+        bouncer = PgBouncerServer(postgres, pool_size=20)
+        bouncer.start()
+        url = bouncer.serve(postgres.url, timeout="30s")
+        env["BENCH_STORE_URL"] = url
+        env["BENCH_GUARD_CONF"] = json.dumps(
+            {"guard_store_pooling": "transaction", "guard_liveness_url": postgres.url}
+        )
     os.environ.update(env)  # read by bench.scale_app when it is imported
     from bench import scale_app
     from celery_guard import get_runtime
@@ -569,8 +586,12 @@ def run_claimers(
     scale_app.metadata.create_all(runtime.store.engine)
     runtime.store.dispose()
     runs = []
-    for workers in _list(args.workers, int):
-        runs.append(claimers_once(args, workers, url, env, redis_server, scale_app))
+    try:
+        for workers in _list(args.workers, int):
+            runs.append(claimers_once(args, workers, url, env, redis_server, scale_app))
+    finally:
+        if bouncer is not None:
+            bouncer.stop()
     return render_claimers(args, runs)
 
 
@@ -665,6 +686,15 @@ def claimers_once(
     return run
 
 
+def _claimers_store(args: argparse.Namespace) -> str:
+    if args.pgbouncer:
+        return (
+            "the durable PostgreSQL through PgBouncer 1.18 in transaction pooling (20 server "
+            "sessions; `guard_store_pooling = 'transaction'`, the liveness session direct)"
+        )
+    return "`--store-url`" if args.store_url else "the durable PostgreSQL"
+
+
 def _deadlocks(url: str) -> int:
     with psycopg.connect(dsn(url), autocommit=True) as connection:
         row = connection.execute(
@@ -696,7 +726,7 @@ def render_claimers(args: argparse.Namespace, runs: list[ClaimersRun]) -> list[s
         "### Many claimers",
         "",
         f"Real `celery worker` processes (prefork, concurrency {args.concurrency}, prefetch 4), "
-        f"a Redis broker, {'`--store-url`' if args.store_url else 'the durable PostgreSQL'}; a "
+        f"a Redis broker, {_claimers_store(args)}; a "
         f"backlog of {args.tasks:,} messages published before the workers start, every tenth "
         "repeating an earlier key (bench/scale_app.py: its effect row commits with the key's "
         "COMPLETED marker). The rate is effects per second from the first effect committed "

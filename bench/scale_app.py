@@ -11,6 +11,7 @@ effect commits on the guard's own connection).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -35,6 +36,9 @@ app.conf.update(
     worker_prefetch_multiplier=4,
     broker_connection_retry_on_startup=True,
 )
+# Extra guard_* settings, e.g. BENCH_GUARD_CONF='{"guard_store_pooling": "transaction"}'
+# (bench/scale.py --pgbouncer).
+app.conf.update(json.loads(os.environ.get("BENCH_GUARD_CONF") or "{}"))
 celery_guard.install(app)
 
 metadata = MetaData()

@@ -52,7 +52,13 @@ def test_scale_reports_percentiles_and_every_run_beside_its_load() -> None:
     assert scale.percentile([float(n) for n in range(1, 101)], 0.5) == 50.0
     assert scale.percentile([float(n) for n in range(1, 101)], 0.99) == 99.0
     args = argparse.Namespace(
-        seconds=60.0, insert_rate=600.0, expired=0.02, concurrency=4, tasks=100, store_url=None
+        seconds=60.0,
+        insert_rate=600.0,
+        expired=0.02,
+        concurrency=4,
+        tasks=100,
+        store_url=None,
+        pgbouncer=False,
     )
     stats = {"updated": 0.0, "hot": 0.0, "autovacuums": 0.0}
     run = scale.KeysRun(
