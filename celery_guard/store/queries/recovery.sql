@@ -12,6 +12,11 @@ WHERE k.state = 'RUNNING' AND k.owner_lock IS NOT NULL
   -- Claimed before the server (re)started: every session's lock died with it, the owner's
   -- proves nothing. The lease decides.
   AND k.updated_at > CAST(EXTRACT(EPOCH FROM pg_postmaster_start_time()) AS DOUBLE PRECISION)
+  -- At least 2 s old: a worker's main process notices a lost session within about half a
+  -- second (celery_guard/lease/relay.py) and takes the same lock id again on a new one; a
+  -- claim its pool made in between (right after a server restart) recorded that id while no
+  -- session held it, and is no proof of a death until the main has had time to take it again.
+  AND k.updated_at < CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION) - 2
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks AS l
       WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
