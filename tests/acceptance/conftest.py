@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import uuid
@@ -36,10 +37,18 @@ def shop_env(
         "CG_MARKER_DIR": str(tmp_path_factory.mktemp("markers")),
         "CG_LEASE_TTL": "10",
     }
+    with environment(env):
+        yield env
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment (the shop module and the CLI subprocesses read
+    it), and what was there before put back afterwards."""
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        yield env
+        yield
     finally:
         for name, value in saved.items():
             if value is None:

@@ -12,7 +12,6 @@ direct ``guard_liveness_url``, and no liveness locks (the reaper waits out the l
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
 from tests.acceptance.conftest import (
     ROOT,
+    environment,
     new_store_database,
     open_gates,
     start_workers,
@@ -92,16 +92,8 @@ def shop_env(
         "CG_LEASE_TTL": "10",
         **pooled_env(pgbouncer, direct, liveness=True),
     }
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)  # the CLI subprocesses of test_cli.py read it
-    try:
+    with environment(env):  # the CLI subprocesses of test_cli.py read it
         yield env
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
