@@ -101,7 +101,14 @@ def start_workers(count: int, env: dict[str, str], **options: Any) -> list[Worke
 @pytest.fixture(scope="session")
 def shop_workers(shop: ModuleType, shop_env: dict[str, str]) -> Iterator[list[WorkerProcess]]:
     """Two prefork workers, concurrency 2 each, consuming the shop's queue."""
-    workers = start_workers(2, shop_env)
+    with running_workers(2, shop_env) as workers:
+        yield workers
+
+
+@contextlib.contextmanager
+def running_workers(count: int, env: dict[str, str]) -> Iterator[list[WorkerProcess]]:
+    """``count`` started workers (:func:`start_workers`), each stopped by PID afterwards."""
+    workers = start_workers(count, env)
     try:
         yield workers
     finally:

@@ -30,7 +30,7 @@ from tests.acceptance.conftest import (
     environment,
     new_store_database,
     open_gates,
-    start_workers,
+    running_workers,
     wait_owner,
     worker_running,
 )
@@ -123,12 +123,8 @@ def shop(shop_env: dict[str, str]) -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def shop_workers(shop: ModuleType, shop_env: dict[str, str]) -> Iterator[list[WorkerProcess]]:
     """Two prefork workers, concurrency 2 each, behind PgBouncer."""
-    workers = start_workers(2, shop_env)
-    try:
+    with running_workers(2, shop_env) as workers:
         yield workers
-    finally:
-        for worker in workers:
-            worker.stop()
 
 
 def test_the_workers_reach_the_store_through_pgbouncer(

@@ -75,6 +75,12 @@ def _claim(store: SqlStore, key: str) -> int:
     return token
 
 
+def _execution(store: SqlStore, key: str) -> Execution:
+    """The execution a claim of ``key`` hands its body."""
+    token = _claim(store, key)
+    return Execution(store.keys, key=key, fencing_token=token, attempts=1, claim_reason="NEW")
+
+
 def _count(store: SqlStore) -> int:
     with store.engine.connect() as connection:
         return int(connection.execute(select(func.count()).select_from(rows)).scalar_one())
@@ -83,10 +89,7 @@ def _count(store: SqlStore) -> int:
 def test_claim_body_and_completion_share_one_connection(child_store: SqlStore) -> None:
     store = child_store
     for n in range(3):
-        token = _claim(store, f"k{n}")
-        execution = Execution(
-            store.keys, key=f"k{n}", fencing_token=token, attempts=1, claim_reason="NEW"
-        )
+        execution = _execution(store, f"k{n}")
         with execution.transaction() as connection:
             connection.execute(insert(rows).values(id=n))
             hot = store.db.hot.connection(store.engine)
@@ -102,10 +105,7 @@ def test_a_refused_commit_commits_nothing_and_the_next_claim_gets_a_fresh_connec
     child_store: SqlStore,
 ) -> None:
     store = child_store
-    token = _claim(store, "refused")
-    execution = Execution(
-        store.keys, key="refused", fencing_token=token, attempts=1, claim_reason="NEW"
-    )
+    execution = _execution(store, "refused")
     with execution.transaction() as connection:
         connection.execute(insert(rows).values(id=100))
         with pytest.raises(TransactionMisuse):
@@ -113,10 +113,7 @@ def test_a_refused_commit_commits_nothing_and_the_next_claim_gets_a_fresh_connec
     with pytest.raises(TransactionMisuse):
         execution.finish('"done"', retention=None)
     assert _count(store) == 0, "nothing of the refused body committed"
-    token = _claim(store, "after")
-    execution = Execution(
-        store.keys, key="after", fencing_token=token, attempts=1, claim_reason="NEW"
-    )
+    execution = _execution(store, "after")
     with execution.transaction() as connection:
         connection.execute(insert(rows).values(id=101))
     execution.finish('"done"', retention=None)
@@ -128,10 +125,7 @@ def test_a_statement_inside_the_body_borrows_a_connection_for_that_call_only(
     child_store: SqlStore,
 ) -> None:
     store = child_store
-    token = _claim(store, "nested")
-    execution = Execution(
-        store.keys, key="nested", fencing_token=token, attempts=1, claim_reason="NEW"
-    )
+    execution = _execution(store, "nested")
     with execution.transaction() as connection:
         connection.execute(insert(rows).values(id=200))
         assert store.keys.get("nested").state == "RUNNING"  # on a connection of its own
