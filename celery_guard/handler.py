@@ -59,6 +59,9 @@ class Delivery:
     owner: str
     #: How many times this message was already deferred (drives the deferral backoff).
     deferrals: int = 0
+    #: The message's first delivery (no retry, no deferral, not marked redelivered by the
+    #: broker): its key most likely has no row yet (``ClaimRequest.likely_new``).
+    first_delivery: bool = True
     #: Seconds after which the lease stops being renewed (``None``: no deadline).
     hard_deadline: float | None = None
     #: Progress mode: seconds without ``self.guard.progress()`` before renewal stops.
@@ -197,6 +200,7 @@ class GuardHandler:
                     owner_lock=(
                         self.liveness.lock_id(delivery.owner) if self.liveness is not None else None
                     ),
+                    likely_new=delivery.first_delivery,
                 )
             )
         except StoreError as exc:

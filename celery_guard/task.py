@@ -438,6 +438,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             message = None
         retention = self.idempotency_ttl
         progress_timeout = self.progress_timeout
+        deferrals = int(headers.get(HEADER_DEFERRALS) or 0)
         hard_limit = (request.timelimit or (None, None))[0] or self.time_limit
         return Delivery(
             task_name=self.name,
@@ -458,7 +459,12 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             + max(0, (request.retries or 0) - _guard_retries(request, headers)),
             celery_retries_for=tuple(getattr(self, "autoretry_for", ()) or ()),
             owner=_owner(request.hostname),
-            deferrals=int(headers.get(HEADER_DEFERRALS) or 0),
+            deferrals=deferrals,
+            # AMQP brokers flag a message they deliver again; a retry or a deferral is a new
+            # message for a key claimed before.
+            first_delivery=not (
+                request.retries or deferrals or (request.delivery_info or {}).get("redelivered")
+            ),
             due_at=_due_at(request, headers),
             encode_result=self._results.dumps,
             decode_result=self._results.loads,

@@ -34,7 +34,7 @@ class ClaimOutcome(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class ClaimRequest:
-    """Everything one claim needs; built by the handler, executed by the store in one round trip."""
+    """Everything one claim needs; built by the handler, executed by the store."""
 
     key: str
     task_name: str
@@ -53,6 +53,10 @@ class ClaimRequest:
     #: Holding that lease entitles the claim to take a RUNNING row over, and the row's token
     #: becomes the larger of it and the row's next token. ``None``: the row is the lease.
     external_token: int | None = None
+    #: A hint, never a rule: ``True`` when the key most likely has no row yet (a message's
+    #: first delivery), ``False`` for a retry, a deferral or a redelivery. The PostgreSQL store
+    #: then tries the cheaper insert-only claim first; either way the outcome is the same.
+    likely_new: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,7 +181,8 @@ class KeyStore(Protocol):
     """
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
-        """Insert or take over the key's row in one statement and say what happened."""
+        """Insert or take over the key's row and say what happened (one atomic statement
+        decides; ``request.likely_new`` may only change how many are sent)."""
 
     def complete(
         self,

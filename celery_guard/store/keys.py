@@ -1,9 +1,10 @@
 """``celery_guard_keys``: the hot path (claim, complete, release) and the key queries.
 
 The claim, the completion marker and the release are what every delivery runs: each is one
-statement in one round trip, on PostgreSQL through :meth:`StoreEngine.execute_hot` (the hot
-connection and the compiled-statement cache). The claim is hand-written SQL
-(``queries/keys.sql``); everything else is SQLAlchemy Core.
+statement in one round trip (a claim of a key thought new that exists after all, two), on
+PostgreSQL through :meth:`StoreEngine.execute_hot` (the hot connection and the
+compiled-statement cache). The claim is hand-written SQL (``queries/keys.sql``); everything
+else is SQLAlchemy Core.
 
 The operator's reads of the keys table (``guard status``, ``guard keys``, the sampler) are here
 too, beside the table they read, in their own section: a consumer sees only the part it needs
@@ -48,7 +49,14 @@ from celery_guard.store.base import (
 )
 from celery_guard.store.engine import BOUNDARY_HOOK, StoreEngine, only_row
 from celery_guard.store.queries import texts
-from celery_guard.store.schema import EPOCH_NOW_SQL, TOKEN_FLOOR, KeyState, db_epoch_now, keys
+from celery_guard.store.schema import (
+    EPOCH_NOW_SQL,
+    TOKEN_FLOOR,
+    ClaimReason,
+    KeyState,
+    db_epoch_now,
+    keys,
+)
 
 RUNNING = KeyState.RUNNING.value
 COMPLETED = KeyState.COMPLETED.value
@@ -94,15 +102,23 @@ class Keys:
     # -- the primitives -----------------------------------------------------------------------
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
-        """Insert or take over the key's row in one statement and say what happened.
+        """Insert or take over the key's row and say what happened.
 
         The record is the row as the claim left it, except that its ``message`` is read back
         only for a DEAD key and its ``result`` only for a COMPLETED one (``None`` otherwise):
         what the handler reads, without sending the stored texts back on every claim.
+
+        On PostgreSQL, when ``request.likely_new``, a key without a row is claimed by a plain
+        insert (``claim_new`` in queries/keys.sql), a quarter cheaper for the server than the
+        upsert (bench/claim_cost.py), which then runs only when the key exists; a claim of a
+        key that likely exists (a retry, a deferral, a redelivery) goes to the upsert at once,
+        as two statements would cost it more. Both are in one store call: a resent insert
+        whose first reply was lost finds its own row, and the upsert answers CLAIMED for it
+        (the claim id matches).
         """
         claim_id = _claim_ids.next()
         db = self.db
-        statement = _claim_statement(
+        variant = (
             db.dialect_name,
             request.check_fingerprint,
             request.external_token is not None,
@@ -120,7 +136,26 @@ class Keys:
         }
         if request.external_token is not None:
             parameters["p_external_token"] = request.external_token
-        row = only_row(db.call(lambda: db.execute_hot(statement, parameters))[0])
+        first_try = (
+            _claim_new_statement(*variant)
+            if request.likely_new and db.dialect_name == "postgresql"
+            else None
+        )
+
+        def claim() -> tuple[dict[str, Any], bool]:
+            if first_try is not None:
+                rows = db.execute_hot(first_try, parameters)[0]
+                if rows:
+                    return rows[0], True
+            return only_row(db.execute_hot(_claim_statement(*variant), parameters)[0]), False
+
+        row, new = db.call(claim)
+        if new:
+            return ClaimResult(
+                outcome=ClaimOutcome.CLAIMED,
+                record=_new_record(request, claim_id, row),
+                lease_remaining=float(row["lease_remaining"]),
+            )
         record = KeyRecord.from_mapping(row)
         return ClaimResult(
             outcome=_classify(record, request, claim_id),
@@ -302,6 +337,33 @@ class Keys:
         return self.db.now()
 
 
+def _new_record(request: ClaimRequest, claim_id: str, row: dict[str, Any]) -> KeyRecord:
+    """The row ``claim_new`` inserted: the request's values, and the database's token and
+    times (what the upsert would have returned for it)."""
+    return KeyRecord(
+        key=request.key,
+        task_name=request.task_name,
+        state=RUNNING,
+        attempts=1,
+        fencing_token=row["fencing_token"],
+        lease_expires_at=row["lease_expires_at"],
+        owner=request.owner,
+        owner_lock=request.owner_lock,
+        claim_id=claim_id,
+        claim_reason=ClaimReason.NEW.value,
+        fingerprint=request.fingerprint,
+        message=None,
+        result=None,
+        last_error=None,
+        duplicates=0,
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        completed_at=None,
+        expires_at=None,
+        republished_at=None,
+    )
+
+
 def _classify(record: KeyRecord, request: ClaimRequest, claim_id: str) -> ClaimOutcome:
     if record.claim_id == claim_id and record.state == RUNNING:
         return ClaimOutcome.CLAIMED
@@ -375,6 +437,16 @@ def _complete_statement(expires: bool) -> Any:
 
 
 @functools.cache
+def _claim_new_statement(
+    dialect_name: str, check_fingerprint: bool, external_lease: bool, synchronous_commit: str | None
+) -> Any:
+    """The claim of a key without a row (``claim_new``), for one variant, built once."""
+    return _claim_text(
+        "claim_new", dialect_name, check_fingerprint, external_lease, synchronous_commit
+    )
+
+
+@functools.cache
 def _claim_statement(
     dialect_name: str, check_fingerprint: bool, external_lease: bool, synchronous_commit: str | None
 ) -> Any:
@@ -386,6 +458,17 @@ def _claim_statement(
     A short text matters: psycopg parses queries over 4 KB on every execution, and a claim built
     from SQLAlchemy expressions repeated its condition in every column (13 KB).
     """
+    return _claim_text("claim", dialect_name, check_fingerprint, external_lease, synchronous_commit)
+
+
+def _claim_text(
+    name: str,
+    dialect_name: str,
+    check_fingerprint: bool,
+    external_lease: bool,
+    synchronous_commit: str | None,
+) -> Any:
+    """The named claim text of queries/keys.sql with its fragments filled in, as a statement."""
     first_token = SQL["first_token"].format(token_floor=TOKEN_FLOOR)
     if external_lease:
         # The claimant holds the external (Redis) lease, so the previous owner's has lapsed;
@@ -396,8 +479,10 @@ def _claim_statement(
     else:
         lapsed = SQL["lapsed"]
         next_token = SQL["next_token"]
-    sql = SQL["claim"].format(
-        now=EPOCH_NOW_SQL[dialect_name],
+    now = EPOCH_NOW_SQL[dialect_name]
+    sql = SQL[name].format(
+        new_row=SQL["new_row"].format(now=now, first_token=first_token),
+        now=now,
         first_token=first_token,
         next_token=next_token,
         lapsed=lapsed,

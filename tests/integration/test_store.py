@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import threading
@@ -86,6 +87,55 @@ def test_task_id_keys_accept_a_new_payload_after_release(store: SqlStore) -> Non
     successor = store.keys.claim(request(fingerprint="fp-b", check_fingerprint=False))
     assert successor.outcome is ClaimOutcome.CLAIMED
     assert successor.record.fingerprint == "fp-b"
+
+
+def test_a_new_keys_claim_answers_with_the_row_as_stored(store: SqlStore) -> None:
+    """On PostgreSQL a new key's claim is the insert-only statement, and its record is built
+    from the request and the returned columns: it must be the row the database holds."""
+    claim = store.keys.claim(request(owner_lock=7))
+    stored = store.keys.get("k")
+    assert stored is not None and stored.message == '{"task": "tests.task"}'
+    # The claim reads the stored message back only for a DEAD key.
+    assert claim.record == dataclasses.replace(stored, message=None)
+
+
+@pytest.mark.parametrize("likely_new", [True, False], ids=["thought-new", "thought-existing"])
+def test_a_claim_answers_alike_whether_or_not_its_key_was_thought_new(
+    store: SqlStore, likely_new: bool
+) -> None:
+    """``likely_new`` picks the statements, never the outcome: every kind of existing row
+    answers as the upsert decides, and a new key is claimed either way."""
+    keys = store.keys
+
+    def claim(key: str, **overrides: Any) -> Any:
+        return keys.claim(request(key, likely_new=likely_new, **overrides))
+
+    first = claim("k")
+    assert (first.outcome, first.record.fencing_token, first.record.claim_reason) == (
+        ClaimOutcome.CLAIMED,
+        1,
+        "NEW",
+    )
+    in_flight = claim("k", owner="w2/2")
+    assert (in_flight.outcome, in_flight.record.owner) == (ClaimOutcome.IN_FLIGHT, "w1/1")
+    conflict = claim("k", fingerprint="fp-other")
+    assert conflict.outcome is ClaimOutcome.CONFLICT
+    assert keys.release("k", first.record.fencing_token, "ValueError: boom")
+    retry = claim("k")
+    assert (retry.outcome, retry.record.fencing_token, retry.record.claim_reason) == (
+        ClaimOutcome.CLAIMED,
+        2,
+        "RETRY",
+    )
+    keys.complete("k", retry.record.fencing_token, '{"n": 1}', retention=60.0)
+    duplicate = claim("k", owner="w2/2")
+    assert (duplicate.outcome, duplicate.record.result) == (ClaimOutcome.DUPLICATE, '{"n": 1}')
+    assert duplicate.record.duplicates == 1
+    expired = keys.claim(request("gone", likely_new=likely_new, lease_ttl=0.0))
+    assert expired.outcome is ClaimOutcome.CLAIMED
+    takeover = claim("gone", owner="w2/2")
+    assert (takeover.outcome, takeover.record.claim_reason) == (ClaimOutcome.CLAIMED, "TAKEOVER")
+    assert takeover.record.fencing_token == expired.record.fencing_token + 1
 
 
 def test_release_lets_the_next_delivery_retry_with_a_newer_token(store: SqlStore) -> None:
@@ -236,8 +286,12 @@ def test_concurrent_claims_have_exactly_one_winner(store: SqlStore) -> None:
     assert sorted(o.value for o in outcomes) == ["claimed"] + ["in_flight"] * 7
 
 
-def test_a_claim_is_one_statement_on_postgresql(pg_url: str) -> None:
-    """Counted at the driver: the claim and completion skip SQLAlchemy's execution events."""
+def test_a_claim_is_one_statement_on_postgresql_unless_a_key_thought_new_exists(
+    pg_url: str,
+) -> None:
+    """Counted at the driver: the claim and completion skip SQLAlchemy's execution events. A
+    key thought new is inserted; if it exists after all, the upsert follows (two statements);
+    a key thought to exist (a retry) goes to the upsert at once."""
     store = SqlStore(GuardConfig(store_url=pg_url))
     statements: list[str] = []
 
@@ -255,8 +309,16 @@ def test_a_claim_is_one_statement_on_postgresql(pg_url: str) -> None:
     try:
         token = store.keys.claim(request()).record.fencing_token
         assert len(statements) == 1 and statements[0].lstrip().upper().startswith("INSERT")
+        assert "DO NOTHING" in statements[0]
         store.keys.complete("k", token, "1", retention=60.0)
         assert len(statements) == 2 and statements[1].lstrip().upper().startswith("UPDATE")
+        statements.clear()
+        assert store.keys.claim(request(owner="w2/2")).outcome is ClaimOutcome.DUPLICATE
+        assert ["DO NOTHING" in sql for sql in statements] == [True, False]
+        statements.clear()
+        retried = store.keys.claim(request("r", likely_new=False))
+        assert retried.outcome is ClaimOutcome.CLAIMED
+        assert len(statements) == 1 and "DO UPDATE" in statements[0]
     finally:
         store.dispose()
 

@@ -173,3 +173,28 @@ def test_a_result_above_the_payload_bound_commits_nothing(sqlite_url: str) -> No
         assert record is not None and record.state == "DEAD"
     finally:
         runtime.store.dispose()
+
+
+def test_only_a_first_delivery_claims_its_key_as_likely_new(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry or a deferral is a message for a key claimed before: its claim goes to the
+    store's upsert at once (``ClaimRequest.likely_new``); a first delivery tries the insert."""
+    store = celery_guard.get_runtime(app).handler.store
+    seen: list[bool] = []
+    real_claim = store.claim
+
+    def recording_claim(request: Any) -> Any:
+        seen.append(request.likely_new)
+        return real_claim(request)
+
+    monkeypatch.setattr(store, "claim", recording_claim)
+
+    @app.task(base=GuardedTask, idempotency_key="hint:{n}", shared=False)
+    def hinted(n: int) -> int:
+        return n
+
+    assert hinted.apply((1,)).get() == 1
+    assert hinted.apply((2,), retries=1).get() == 2
+    assert hinted.apply((3,), headers={"guard_deferrals": 1}).get() == 3
+    assert seen == [True, False, False]

@@ -22,6 +22,8 @@ FILES = [
         "keys.sql",
         {
             "claim",
+            "claim_new",
+            "new_row",
             "first_token",
             "next_token",
             "external_first_token",
