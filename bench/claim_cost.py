@@ -12,13 +12,14 @@ statements of a delivery on celery_guard's hot connection, claim then the autoco
 COMPLETED marker:
 
 - ``floor``: bench/floor.py's two statements on a kept psycopg connection, prepared;
-- ``guard``: ``Keys.claim`` and ``Keys.complete`` on a key without a row, as a first delivery
-  claims it (the insert-only ``claim_new`` of celery_guard/store/queries/keys.sql);
-- ``guard_upsert``: the same with the full upsert only (``claim``), as every claim ran before
+- ``new``: celery_guard's ``Keys.claim`` and ``Keys.complete`` on a key without a row, as a
+  first delivery claims it (the insert-only ``claim_new`` of celery_guard/store/queries/keys.sql);
+- ``new_upsert``: the same with the full upsert only (``claim``), as every claim ran before
   ``claim_new`` existed;
-- ``guard_retry``: a key RELEASED by an earlier execution claimed again (``claim_new`` finds
-  the row, then the upsert takes it over), and ``guard_retry_upsert`` the same through the
-  upsert alone: the price an existing key pays for the new ones' insert.
+- ``retry``: a key RELEASED by an earlier execution claimed again with the hint of a first
+  delivery (``claim_new`` finds the row, then the upsert takes it over), and ``retry_upsert``
+  the same through the upsert alone, as a retry's claim runs: the price an existing key pays
+  when it is taken for a new one.
 
 Per way, the median over the repeats (interleaved) of the PostgreSQL backends' CPU per claim
 and per completion (``/proc``, all server processes), this process's CPU and the wall time
@@ -53,7 +54,7 @@ from celery_guard.store import keys as keys_module  # noqa: E402
 from tests.rig import procs  # noqa: E402
 from tests.rig.servers import PostgresServer  # noqa: E402
 
-WAYS = ("floor", "guard", "guard_upsert", "guard_retry", "guard_retry_upsert")
+WAYS = ("floor", "new", "new_upsert", "retry", "retry_upsert")
 HEADING = "## Claim cost on the server (bench/claim_cost.py)"
 #: Columns, in µs per task: what each run measures.
 COLUMNS = ("server: claim", "server: completion", "client CPU", "wall")
@@ -184,10 +185,10 @@ def main() -> None:
             )
         ways = {
             "floor": floor_way(postgres.dsn_for()),
-            "guard": guard_way(store, retry=False),
-            "guard_upsert": guard_way(store, retry=False),
-            "guard_retry": guard_way(store, retry=True),
-            "guard_retry_upsert": guard_way(store, retry=True),
+            "new": guard_way(store, retry=False),
+            "new_upsert": guard_way(store, retry=False),
+            "retry": guard_way(store, retry=True),
+            "retry_upsert": guard_way(store, retry=True),
         }
         try:
             for _ in range(args.repeats):  # interleaved, so drift hits every way alike
@@ -195,7 +196,7 @@ def main() -> None:
                     result = run(ways[name], postgres, args.tasks, upsert=name.endswith("_upsert"))
                     measured[name].append(result)
                     print(
-                        f"{name:14s} "
+                        f"{name:12s} "
                         + "  ".join(f"{c} {result[c]:6.0f}" for c in COLUMNS)
                         + " µs/task",
                         flush=True,
@@ -232,11 +233,12 @@ def render(
         f"{args.repeats} interleaved runs, in µs per task. *server*: CPU of every PostgreSQL "
         "process (`/proc`) during the claims and during the completions; *client CPU*: this "
         "process (psycopg and celery_guard's store layer, no Celery); *wall*: both phases. "
-        "Ways: *floor*: bench/floor.py's two statements; *guard*: `Keys.claim` and "
-        "`Keys.complete` on keys without a row (the insert-only `claim_new`); *guard_upsert*: "
-        "the same through the full upsert alone; *guard_retry*: RELEASED keys claimed again "
-        "(`claim_new` finds the row, then the upsert takes it over); *guard_retry_upsert*: the "
-        "same through the upsert alone.",
+        "Ways: *floor*: bench/floor.py's two statements; *new*: celery_guard's `Keys.claim` and "
+        "`Keys.complete` on keys without a row (the insert-only `claim_new`); *new_upsert*: "
+        "the same through the full upsert alone (every claim before `claim_new`); *retry*: "
+        "RELEASED keys claimed again with a first delivery's hint (`claim_new` finds the row, "
+        "then the upsert takes it over); *retry_upsert*: the same through the upsert alone, "
+        "as a retry's claim runs.",
         "",
         "| Way | " + " | ".join(COLUMNS) + " |",
         "|---|" + "---:|" * len(COLUMNS),

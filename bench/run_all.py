@@ -44,13 +44,25 @@ SMOKE_ARGS = {
     "peers": ["--tasks", "200", "--repeats", "1"],
     "publish_tracking": ["--publishes", "200", "--repeats", "1"],
     "scale": shlex.split("--rows 20000 --seconds 5 --workers 2 --tasks 200"),
+    "claim_cost": ["--tasks", "200", "--repeats", "1"],
 }
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600
 #: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes) and
-#: ``profile_worker`` is a profiler to run by hand; ``cpu`` and ``floor`` are helper modules
-#: of the benchmarks, not ones.
-NOT_BENCHMARKS = {"__init__", "run_all", "soak", "profile_worker", "cpu", "floor"}
+#: ``profile_worker`` is a profiler to run by hand; ``canvas``, ``pgbouncer_claims`` and
+#: ``pgbouncer_recovery`` print their tables for a note or docs/pgbouncer.md, by hand, and
+#: write no section; ``cpu`` and ``floor`` are helper modules of the benchmarks, not ones.
+NOT_BENCHMARKS = {
+    "__init__",
+    "run_all",
+    "soak",
+    "profile_worker",
+    "canvas",
+    "pgbouncer_claims",
+    "pgbouncer_recovery",
+    "cpu",
+    "floor",
+}
 VERSIONED = {
     "celery": "celery",
     "kombu": "kombu",

@@ -352,8 +352,10 @@ class StoreEngine:
     ) -> Rows:
         """One statement on a psycopg connection (autocommit, or inside a task's transaction);
         driver errors re-raised as SQLAlchemy's, flagged when the connection is gone."""
+        watchdog = self.watchdog
+        fd = watchdog.arm_connection(connection)  # not ``watching()``: this runs per statement
         try:
-            with connection.cursor() as cursor, self.watchdog.watching(connection):
+            with connection.cursor() as cursor:
                 cursor.execute(sql, values)
                 rows: list[dict[str, Any]] = []
                 names = self._column_names(statement, cursor)
@@ -370,6 +372,9 @@ class StoreEngine:
                 connection_invalidated=engine.dialect.is_disconnect(error, connection, None),
                 dialect=engine.dialect,
             ) from exc
+        finally:
+            if fd is not None:
+                watchdog.disarm(fd)
 
     def _column_names(self, statement: Any, cursor: Any) -> list[str] | None:
         """The result's column names, read once per statement: psycopg builds a Column object

@@ -32,41 +32,56 @@ class CallWatchdog:
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._deadlines: dict[int, float] = {}  # socket fd -> monotonic deadline
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
-        self._idle = False  # the thread waits with no deadline to wake it
 
     def arm(self, fd: int) -> None:
-        with self._cond:
-            self._deadlines[fd] = time.monotonic() + self.seconds
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                # Per process: a thread does not survive a fork.
-                self._pid = os.getpid()
-                self._thread = threading.Thread(
-                    target=self._run, name="celery_guard-store-watchdog", daemon=True
-                )
-                self._thread.start()
-            elif self._idle:
-                self._cond.notify()  # deadlines only come later than the ones it waits for
+        # Every claim and completion arms and disarms once, so both are a plain lock and a
+        # dict operation: the thread is never woken for a new deadline. Each deadline is
+        # "now + seconds", so one armed while the thread sleeps is never earlier than that
+        # sleep's end (see _run): the thread only wakes when something may be due.
+        if self._pid != os.getpid():
+            self._start()
+        deadline = time.monotonic() + self.seconds
+        with self._lock:
+            self._deadlines[fd] = deadline
 
     def disarm(self, fd: int) -> None:
-        with self._cond:
+        with self._lock:
             self._deadlines.pop(fd, None)
+
+    def _start(self) -> None:
+        # Per process: a thread does not survive a fork, and a lock inherited from a parent
+        # whose thread held it at the fork would never be released here. (Two threads of a new
+        # process arming at once may start two watchdogs: harmless, they share the lock.)
+        self._lock = threading.Lock()
+        self._deadlines = {}
+        self._pid = os.getpid()
+        self._thread = threading.Thread(
+            target=self._run, name="celery_guard-store-watchdog", daemon=True
+        )
+        self._thread.start()
+
+    def arm_connection(self, dbapi_connection: Any) -> int | None:
+        """Arm the deadline for one call on ``dbapi_connection`` (a psycopg connection); the
+        caller passes what it returns to :meth:`disarm` when the call ends (``None``: there is
+        no socket to watch)."""
+        fd = _fileno(dbapi_connection)
+        if fd is not None:
+            self.arm(fd)
+        return fd
 
     @contextlib.contextmanager
     def watching(self, dbapi_connection: Any) -> Iterator[None]:
         """Arm the deadline for one call on ``dbapi_connection`` (a psycopg connection)."""
-        fd = _fileno(dbapi_connection)
-        if fd is None:
-            yield
-            return
-        self.arm(fd)
+        fd = self.arm_connection(dbapi_connection)
         try:
             yield
         finally:
-            self.disarm(fd)
+            if fd is not None:
+                self.disarm(fd)
 
     def install(self, engine: Engine) -> None:
         """Watch every statement ``engine`` runs (the hot path arms :meth:`watching` itself)."""
@@ -92,16 +107,17 @@ class CallWatchdog:
                 self.disarm(fd)
 
     def _run(self) -> None:
-        with self._cond:
-            while True:
-                now = time.monotonic()
+        while True:
+            now = time.monotonic()
+            with self._lock:
                 for fd, due in list(self._deadlines.items()):
                     if due <= now:
                         del self._deadlines[fd]
                         _shut(fd, self.seconds)
                 nearest = min(self._deadlines.values(), default=None)
-                self._idle = nearest is None
-                self._cond.wait(None if nearest is None else max(0.01, nearest - now))
+            # With nothing armed, sleep one period: whatever is armed meanwhile is due no
+            # earlier than the wake-up (arm adds "now + seconds").
+            time.sleep(self.seconds if nearest is None else max(0.01, nearest - now))
 
 
 def _fileno(dbapi_connection: Any) -> int | None:
