@@ -81,6 +81,19 @@ def new_store_database(postgres: PostgresServer, prefix: str) -> str:
     return url
 
 
+def empty_redis_databases(redis_server: RedisServer, *dbs: int) -> None:
+    """Start a test's broker (and result) databases empty of what earlier tests left there.
+
+    kombu's Redis transport restores unacknowledged messages under one mutex per database
+    (``unacked_mutex``, kept up to 300 s: kombu/transport/redis.py, ``QoS.restore_visible``).
+    A worker that an earlier test SIGKILLed during a restore sweep leaves it held, and no
+    message of the next test on that database would be restored for five minutes.
+    """
+    for db in dbs:
+        with redis_server.client(db) as client:
+            client.flushdb()
+
+
 def start_workers(count: int, env: dict[str, str], **options: Any) -> list[WorkerProcess]:
     workers = [
         WorkerProcess(SHOP_APP, env=env, cwd=ROOT, **{"concurrency": 2, **options})

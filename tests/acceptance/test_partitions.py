@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 from celery_guard import GuardConfig
 from celery_guard.store import KeyRecord
 from celery_guard.store.sql import SqlStore
-from tests.acceptance.conftest import new_store_database, start_workers
+from tests.acceptance.conftest import empty_redis_databases, new_store_database, start_workers
 from tests.acceptance.test_metrics import scrape, value
 from tests.apps import shop_tables
 from tests.rig.faultproxy import FaultProxy
@@ -127,6 +127,7 @@ class Scene:
 def make_scene(
     store_url: str, redis_server: RedisServer, gates: Path, **env: str
 ) -> Iterator[Scene]:
+    empty_redis_databases(redis_server, BROKER_DB, RESULT_DB)
     full_env = {
         "CG_BROKER_URL": redis_server.url_for(BROKER_DB),
         "CG_RESULT_URL": redis_server.url_for(RESULT_DB),

@@ -19,6 +19,7 @@ from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
 from tests.acceptance.conftest import (
     effects_in,
+    empty_redis_databases,
     new_store_database,
     open_gates,
     start_workers,
@@ -66,6 +67,7 @@ def cluster(
     tmp_path: Path,
 ) -> Iterator[Cluster]:
     """Each test runs twice: leases in the store's rows, and leases in Redis."""
+    empty_redis_databases(redis_server, 3, 4)
     store_url = new_store_database(postgres, "heal")
     env = {
         "CG_BROKER_URL": redis_server.url_for(3),
