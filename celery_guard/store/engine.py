@@ -45,8 +45,8 @@ StoreObserver = Callable[[float, StoreError | None], None]
 #: Execution option: this SQLite transaction only reads, so it need not wait for the write lock.
 SQLITE_READ_ONLY = "celery_guard_read_only"
 
-#: Execution option naming the callable ``Keys.connect`` was given as ``on_boundary``.
-BOUNDARY_HOOK = "celery_guard_on_boundary"
+#: Called with ``"commit"`` or ``"rollback"`` before a transaction on a task's connection ends.
+BoundaryHook = Callable[[str], None]
 
 #: Rows as dicts, and the rowcount: what one statement answers.
 Rows = tuple[list[dict[str, Any]], int]
@@ -152,7 +152,6 @@ class StoreEngine:
         if self.dialect_name == "sqlite":
             engine = create_engine(url, connect_args={"timeout": timeout}, pool_timeout=timeout)
             _configure_sqlite(engine, timeout)
-            _report_boundaries(engine)
             return engine
         millis = max(1, int(timeout * 1000))
         connect_args: dict[str, Any] = {
@@ -179,7 +178,6 @@ class StoreEngine:
         if self.config.store_pooling == "transaction":
             _warn_without_role_timeouts(engine)
         self.watchdog.install(engine)
-        _report_boundaries(engine)
         return engine
 
     def ensure_schema(self) -> None:
@@ -284,7 +282,13 @@ class StoreEngine:
         finally:
             pooled.close()
 
-    def lend(self, engine: Engine, *, transaction: bool = False) -> Connection | None:
+    def lend(
+        self,
+        engine: Engine,
+        *,
+        transaction: bool = False,
+        on_boundary: BoundaryHook | None = None,
+    ) -> Connection | None:
         """The hot connection as a SQLAlchemy ``Connection``, or ``None`` while it is busy.
 
         A prefork pool process runs its body's ``transaction()`` and its other statements on
@@ -293,7 +297,7 @@ class StoreEngine:
         leaves autocommit, so the body's writes stay in one transaction until celery_guard
         commits them; closing the ``Connection`` ends the loan: whatever is still open rolls
         back and the connection returns to autocommit. Invalidating it closes the connection
-        and the next claim opens another.
+        and the next claim opens another. ``on_boundary``: as for :meth:`connect`.
         """
         hot = self.hot
         if not hot.try_acquire():
@@ -307,11 +311,16 @@ class StoreEngine:
             if transaction:
                 pooled.dbapi_connection.autocommit = False
             lent: Any = _Lent(pooled, hot)  # stands for the pool's proxy (duck-typed)
-            return Connection(engine, connection=lent)
+            return TaskConnection(engine, connection=lent, on_boundary=on_boundary)
         except BaseException:
             hot.drop()
             hot.lock.release()
             raise
+
+    def connect(self, engine: Engine, on_boundary: BoundaryHook | None = None) -> Connection:
+        """A connection from ``engine``'s pool for a task's own transaction; ``on_boundary`` is
+        told before a transaction on it ends (:class:`TaskConnection`)."""
+        return TaskConnection(engine, on_boundary=on_boundary)
 
     def execute_in_transaction(
         self, connection: Connection, statement: Any, parameters: dict[str, Any]
@@ -338,12 +347,17 @@ class StoreEngine:
         """Commit a task's transaction under the watchdog; failures are store errors (never
         resent: a commit is not idempotent)."""
 
+        watchdog = self.watchdog
+
         def commit() -> None:
+            fd = watchdog.arm_connection(_dbapi_connection(transaction))
             try:
-                with self.watchdog.watching(_dbapi_connection(transaction)):
-                    transaction.commit()
+                transaction.commit()
             except sa_exc.DBAPIError as exc:
                 raise wrap_error(exc, self.config) from exc
+            finally:
+                if fd is not None:
+                    watchdog.disarm(fd)
 
         self.observed(commit)
 
@@ -351,9 +365,9 @@ class StoreEngine:
         self, engine: Engine, connection: Any, statement: Any, sql: str, values: dict[str, Any]
     ) -> Rows:
         """One statement on a psycopg connection (autocommit, or inside a task's transaction);
-        driver errors re-raised as SQLAlchemy's, flagged when the connection is gone."""
-        watchdog = self.watchdog
-        fd = watchdog.arm_connection(connection)  # not ``watching()``: this runs per statement
+        driver errors re-raised as SQLAlchemy's, flagged when the connection is gone. The
+        watchdog arms itself around the execute (the store engine's cursors are
+        :meth:`CallWatchdog.cursor_class`'s)."""
         try:
             with connection.cursor() as cursor:
                 cursor.execute(sql, values)
@@ -372,9 +386,6 @@ class StoreEngine:
                 connection_invalidated=engine.dialect.is_disconnect(error, connection, None),
                 dialect=engine.dialect,
             ) from exc
-        finally:
-            if fd is not None:
-                watchdog.disarm(fd)
 
     def _column_names(self, statement: Any, cursor: Any) -> list[str] | None:
         """The result's column names, read once per statement: psycopg builds a Column object
@@ -553,28 +564,34 @@ def _warn_without_role_timeouts(engine: Engine) -> None:
             )
 
 
-def _report_boundaries(engine: Engine) -> None:
-    """Tell a connection's ``on_boundary`` hook before a transaction on it ends.
+class TaskConnection(Connection):
+    """A task's connection, which tells ``on_boundary`` before a transaction on it ends.
 
-    Engine-wide listeners that look the hook up on the connection (instead of listeners added
-    per connection): adding and removing a listener costs more than one dictionary lookup per
-    commit. SQLAlchemy calls ``commit``/``rollback`` listeners before it sends COMMIT/ROLLBACK,
-    and an exception raised there propagates to the caller with nothing sent (ConnectionEvents,
-    sqlalchemy/engine/base.py ``_commit_impl``/``_rollback_impl``).
+    However the body asks for the end (``Connection.commit()``, an ORM ``Session`` that controls
+    the transaction, ``close()``), SQLAlchemy ends a root transaction through ``_commit_impl``
+    or ``_rollback_impl`` (sqlalchemy/engine/base.py), where it also fires the ``commit`` and
+    ``rollback`` events: an exception raised here propagates to the caller with nothing sent,
+    as from those events. Engine-wide event listeners did this before, but any listener on an
+    engine sends every statement on it through SQLAlchemy's event dispatch (about 10% of a
+    guarded task's client CPU, bench/overhead.py): the store engine on PostgreSQL has none.
+    Savepoints are not reported.
     """
 
-    def on_commit(connection: Connection) -> None:
-        hook = connection.get_execution_options().get(BOUNDARY_HOOK)
-        if hook is not None:
-            hook("commit")
+    def __init__(
+        self, engine: Engine, connection: Any = None, on_boundary: BoundaryHook | None = None
+    ) -> None:
+        self._on_boundary = on_boundary
+        super().__init__(engine, connection)
 
-    def on_rollback(connection: Connection) -> None:
-        hook = connection.get_execution_options().get(BOUNDARY_HOOK)
-        if hook is not None:
-            hook("rollback")
+    def _commit_impl(self) -> None:
+        if self._on_boundary is not None:
+            self._on_boundary("commit")
+        super()._commit_impl()
 
-    event.listen(engine, "commit", on_commit)
-    event.listen(engine, "rollback", on_rollback)
+    def _rollback_impl(self) -> None:
+        if self._on_boundary is not None:
+            self._on_boundary("rollback")
+        super()._rollback_impl()
 
 
 def _configure_sqlite(engine: Engine, timeout: float) -> None:

@@ -47,7 +47,7 @@ from celery_guard.store.base import (
     DeadLetterStore,
     KeyRecord,
 )
-from celery_guard.store.engine import BOUNDARY_HOOK, StoreEngine, only_row
+from celery_guard.store.engine import StoreEngine, only_row
 from celery_guard.store.queries import texts
 from celery_guard.store.schema import (
     EPOCH_NOW_SQL,
@@ -245,16 +245,15 @@ class Keys:
         from being sent. ``Execution`` uses it so a task body cannot end the transaction that
         must commit with the key's COMPLETED marker. Savepoints are not reported.
         """
-        engine = self.db.ready_engine()
+        db = self.db
+        engine = db.ready_engine()
         connection = None
-        if self.db.budget == "child" and self.db.dialect_name == "postgresql":
+        if db.budget == "child" and db.dialect_name == "postgresql":
             # The connection the claim ran on, out of autocommit until the loan ends: a pool
             # process holds one connection in all (docs/design.md).
-            connection = self.db.call(lambda: self.db.lend(engine, transaction=True))
+            connection = db.call(lambda: db.lend(engine, transaction=True, on_boundary=on_boundary))
         if connection is None:
-            connection = self.db.call(engine.connect)
-        if on_boundary is not None:
-            connection.execution_options(**{BOUNDARY_HOOK: on_boundary})
+            connection = db.call(lambda: db.connect(engine, on_boundary))
         return connection
 
     def commit(self, transaction: RootTransaction) -> None:

@@ -17,14 +17,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, event
 
 logger = logging.getLogger("celery_guard.store")
-
-_INFO_KEY = "celery_guard_watched_fd"
 
 
 class CallWatchdog:
@@ -73,38 +71,43 @@ class CallWatchdog:
             self.arm(fd)
         return fd
 
-    @contextlib.contextmanager
-    def watching(self, dbapi_connection: Any) -> Iterator[None]:
-        """Arm the deadline for one call on ``dbapi_connection`` (a psycopg connection)."""
-        fd = self.arm_connection(dbapi_connection)
-        try:
-            yield
-        finally:
-            if fd is not None:
-                self.disarm(fd)
+    def cursor_class(self) -> type[psycopg.Cursor[Any]]:
+        """A psycopg cursor class whose ``execute`` and ``executemany`` arm this watchdog."""
+        watchdog = self
+
+        class WatchedCursor(psycopg.Cursor[Any]):
+            def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                fd = watchdog.arm_connection(self.connection)
+                try:
+                    return super().execute(query, params, **kwargs)
+                finally:
+                    if fd is not None:
+                        watchdog.disarm(fd)
+
+            def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> None:
+                fd = watchdog.arm_connection(self.connection)
+                try:
+                    super().executemany(query, params_seq, **kwargs)
+                finally:
+                    if fd is not None:
+                        watchdog.disarm(fd)
+
+        return WatchedCursor
 
     def install(self, engine: Engine) -> None:
-        """Watch every statement ``engine`` runs (the hot path arms :meth:`watching` itself)."""
+        """Watch every statement run on ``engine``'s connections, hot path included.
 
-        @event.listens_for(engine, "before_cursor_execute")
-        def _before(conn: Any, cursor: Any, statement: Any, *args: Any) -> None:
-            fd = _fileno(conn.connection.dbapi_connection)
-            if fd is not None:
-                conn.info[_INFO_KEY] = fd
-                self.arm(fd)
+        Through the driver's cursor class, set as each connection opens, rather than
+        SQLAlchemy's ``before_cursor_execute``/``after_cursor_execute`` events: any connection
+        event on an engine sends every statement through SQLAlchemy's event dispatch (the
+        store engine has none; see ``TaskConnection`` in engine.py). A pool ``connect``
+        listener is not a connection event and costs nothing per statement.
+        """
+        cursor_class = self.cursor_class()
 
-        @event.listens_for(engine, "after_cursor_execute")
-        def _after(conn: Any, *args: Any) -> None:
-            fd = conn.info.pop(_INFO_KEY, None)
-            if fd is not None:
-                self.disarm(fd)
-
-        @event.listens_for(engine, "handle_error")
-        def _error(context: Any) -> None:
-            conn = context.connection
-            fd = conn.info.pop(_INFO_KEY, None) if conn is not None else None
-            if fd is not None:
-                self.disarm(fd)
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.cursor_factory = cursor_class
 
     def _run(self) -> None:
         while True:

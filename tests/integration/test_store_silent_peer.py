@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import insert, select
+from sqlalchemy.exc import DBAPIError
 
 from celery_guard import GuardConfig, StoreUnavailable
 from celery_guard.store import ClaimOutcome, SqlStore
@@ -112,6 +113,36 @@ def test_a_tasks_commit_fails_fast_on_a_silent_peer_and_writes_nothing(
     # once the path heals: "may or may not have landed", as the handler assumes. Either way the
     # task's write and the COMPLETED marker are one.
     assert (len(rows), record.state) in ((0, "RUNNING"), (1, "COMPLETED"))
+
+
+@pytest.mark.parametrize("budget", ["process", "child"])
+def test_a_statement_in_a_tasks_transaction_fails_fast_on_a_silent_peer(
+    proxied: tuple[SqlStore, FaultProxy], budget: str
+) -> None:
+    """The body's own statements are watched too: on a pool connection, and (``child``) on
+    the connection the claims use, lent to the body."""
+    store, proxy = proxied
+    store.db.budget = budget
+    store.keys.claim(request("body"))
+    connection = store.keys.connect()
+    connection.begin()
+    proxy.blackhole()
+    try:
+        error, _seconds = bounded(
+            lambda: connection.execute(insert(shop_tables.effects).values(tag="silent-body"))
+        )
+        assert isinstance(error, DBAPIError) and error.connection_invalidated, error
+    finally:
+        connection.invalidate()
+        connection.close()
+    proxy.heal()
+    with store.engine.connect() as check:
+        rows = check.execute(
+            select(shop_tables.effects).where(shop_tables.effects.c.tag == "silent-body")
+        ).all()
+    assert rows == []
+    # The store works again once the peer answers: the next claim opens a new connection.
+    assert store.keys.claim(request("after")).outcome is ClaimOutcome.CLAIMED
 
 
 def test_requests_are_unchanged_when_the_peer_answers(proxied: tuple[SqlStore, FaultProxy]) -> None:
