@@ -45,6 +45,7 @@ SMOKE_ARGS = {
     "publish_tracking": ["--publishes", "200", "--repeats", "1"],
     "scale": shlex.split("--rows 20000 --seconds 5 --workers 2 --tasks 200"),
     "claim_cost": ["--tasks", "200", "--repeats", "1"],
+    "body_transaction": ["--tasks", "200", "--repeats", "1"],
 }
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600
