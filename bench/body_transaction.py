@@ -58,7 +58,7 @@ from sqlalchemy import (  # noqa: E402
 
 from bench import floor  # noqa: E402
 from bench.claim_cost import request, server_seconds  # noqa: E402
-from bench.overhead import write_section  # noqa: E402
+from bench.overhead import publish_section, settings_phrase  # noqa: E402
 from celery_guard import GuardConfig  # noqa: E402
 from celery_guard.store import SqlStore  # noqa: E402
 from tests.rig.servers import PostgresServer  # noqa: E402
@@ -197,10 +197,7 @@ def main() -> None:
             for store in stores.values():
                 store.dispose()
     section = render(args, command, measured, load, time.monotonic() - started)
-    print("\n" + section)
-    if args.output is not None:
-        write_section(args.output, section, HEADING)
-        print(f"written to {args.output}")
+    publish_section(args.output, section, HEADING)
 
 
 def render(
@@ -210,11 +207,7 @@ def render(
     load: tuple[float, float, float],
     wall: float,
 ) -> str:
-    setting = (
-        "fsync, synchronous_commit and full_page_writes on"
-        if args.settings == "durable"
-        else "the test rig's fast settings (all three off)"
-    )
+    setting = settings_phrase(args.settings)
     medians = {
         way: {c: statistics.median(r[c] for r in runs) for c in COLUMNS}
         for way, runs in measured.items()

@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:  # so that ``tests.rig`` and ``bench`` import when
 
 from bench import floor  # noqa: E402
 from bench.cpu import process_seconds  # noqa: E402
-from bench.overhead import write_section  # noqa: E402
+from bench.overhead import publish_section, settings_phrase  # noqa: E402
 from celery_guard import GuardConfig  # noqa: E402
 from celery_guard.store import ClaimOutcome, ClaimRequest, SqlStore  # noqa: E402
 from celery_guard.store import keys as keys_module  # noqa: E402
@@ -204,10 +204,7 @@ def main() -> None:
         finally:
             store.dispose()
     section = render(args, command, measured, load, time.monotonic() - started)
-    print("\n" + section)
-    if args.output is not None:
-        write_section(args.output, section, HEADING)
-        print(f"written to {args.output}")
+    publish_section(args.output, section, HEADING)
 
 
 def render(
@@ -217,11 +214,7 @@ def render(
     load: tuple[float, float, float],
     wall: float,
 ) -> str:
-    setting = (
-        "fsync, synchronous_commit and full_page_writes on"
-        if args.settings == "durable"
-        else "the test rig's fast settings (all three off)"
-    )
+    setting = settings_phrase(args.settings)
     lines = [
         HEADING,
         "",

@@ -771,6 +771,21 @@ def render_cpu(args: argparse.Namespace, cpu: dict[str, list[dict[str, float]]])
     return out
 
 
+def settings_phrase(settings: str) -> str:
+    """How a section names the PostgreSQL settings it ran against (``--settings``)."""
+    if settings == "durable":
+        return "fsync, synchronous_commit and full_page_writes on"
+    return "the test rig's fast settings (all three off)"
+
+
+def publish_section(output: Path | None, section: str, heading: str) -> None:
+    """Print a benchmark's section and, with ``output``, write it there."""
+    print("\n" + section)
+    if output is not None:
+        write_section(output, section, heading)
+        print(f"written to {output}")
+
+
 def write_section(path: Path, section: str, heading: str = HEADING) -> None:
     """Replace a benchmark's section of ``path`` (up to the next ``## `` heading) or add it."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,14 @@ def bounded(call: Callable[[], Any]) -> tuple[BaseException | None, float]:
     return outcome[0], time.monotonic() - started
 
 
+def effects_tagged(store: SqlStore, tag: str) -> list[Any]:
+    """The rows a test's body wrote with ``tag``, read once the peer answers again."""
+    with store.engine.connect() as check:
+        return list(
+            check.execute(select(shop_tables.effects).where(shop_tables.effects.c.tag == tag)).all()
+        )
+
+
 def test_claim_renew_and_read_fail_fast_on_a_silent_peer(
     proxied: tuple[SqlStore, FaultProxy],
 ) -> None:
@@ -103,10 +111,7 @@ def test_a_tasks_commit_fails_fast_on_a_silent_peer_and_writes_nothing(
         connection.invalidate()
         connection.close()
     proxy.heal()
-    with store.engine.connect() as check:
-        rows = check.execute(
-            select(shop_tables.effects).where(shop_tables.effects.c.tag == "silent-commit")
-        ).all()
+    rows = effects_tagged(store, "silent-commit")
     record = store.keys.get("commit")
     assert record is not None
     # The COMMIT was sent before the peer went silent, and the proxy, like TCP, may deliver it
@@ -136,10 +141,7 @@ def test_a_statement_in_a_tasks_transaction_fails_fast_on_a_silent_peer(
         connection.invalidate()
         connection.close()
     proxy.heal()
-    with store.engine.connect() as check:
-        rows = check.execute(
-            select(shop_tables.effects).where(shop_tables.effects.c.tag == "silent-body")
-        ).all()
+    rows = effects_tagged(store, "silent-body")
     assert rows == []
     # The store works again once the peer answers: the next claim opens a new connection.
     assert store.keys.claim(request("after")).outcome is ClaimOutcome.CLAIMED
