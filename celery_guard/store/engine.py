@@ -571,10 +571,10 @@ class TaskConnection(Connection):
     the transaction, ``close()``), SQLAlchemy ends a root transaction through ``_commit_impl``
     or ``_rollback_impl`` (sqlalchemy/engine/base.py), where it also fires the ``commit`` and
     ``rollback`` events: an exception raised here propagates to the caller with nothing sent,
-    as from those events. Engine-wide event listeners did this before, but any listener on an
-    engine sends every statement on it through SQLAlchemy's event dispatch (about 10% of a
-    guarded task's client CPU, bench/overhead.py): the store engine on PostgreSQL has none.
-    Savepoints are not reported.
+    as from those events. Not those events themselves: any connection event listener on an
+    engine sends every statement on it through SQLAlchemy's event dispatch (a tenth or more of
+    the client CPU of a task's own transaction, bench/body_transaction.py), and the store
+    engine on PostgreSQL has none. Savepoints are not reported.
     """
 
     def __init__(
