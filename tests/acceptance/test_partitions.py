@@ -30,7 +30,7 @@ from tests.acceptance.test_metrics import scrape, value
 from tests.apps import shop_tables
 from tests.rig.faultproxy import FaultProxy
 from tests.rig.ports import free_port
-from tests.rig.procs import wait_until
+from tests.rig.procs import log_tail, wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess
 
@@ -343,7 +343,11 @@ def test_redis_and_postgresql_restarted_mid_run_every_task_completes_once(
         assert not [w for w in scene.workers if "is dead (liveness lock gone)" in w.log_text()]
         counts = scene.effect_counts(prefix)
         assert counts == dict.fromkeys(tags, 1), {t: n for t, n in counts.items() if n != 1}
-        assert all(worker.is_alive() for worker in scene.workers)
+        exited = [w for w in scene.workers if not w.is_alive()]
+        assert not exited, "\n".join(
+            f"worker {w.hostname} exited with {w.returncode}:\n{log_tail(w.log_path, 60)}"
+            for w in exited
+        )
     finally:
         scene_iter.close()
 
