@@ -17,6 +17,7 @@ from typing import Any
 from celery import bootsteps
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.signals import beat_init
+from celery.worker import state as celery_worker_state
 from sqlalchemy.engine import make_url
 
 from celery_guard import metrics
@@ -69,7 +70,7 @@ class GuardStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships 
         config = runtime.config
         warn_if_embedded_store(config)
         warn_constant_keys(parent.app, config.result_ttl)
-        monitor = WorkerMonitor(runtime, parent, live_counts=metrics.live_execution_counts)
+        monitor = WorkerMonitor(runtime, parent, live_fenced=metrics.live_fenced_count)
         metrics.declare_series()
         self.monitor = monitor
         # The reaper's loop also carries this worker's heartbeat, so it runs even when the
@@ -216,11 +217,11 @@ class WorkerMonitor:
         runtime: Any,
         parent: Any,
         *,
-        live_counts: Callable[[], tuple[int, int] | None] = lambda: None,
+        live_fenced: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.runtime = runtime
-        #: (running, fenced) over every process of the worker (``None``: this process only).
-        self.live_counts = live_counts
+        #: Fenced executions over every process of the worker (``None``: this process only).
+        self.live_fenced = live_fenced
         self.parent = parent
         self.hostname: str = parent.hostname
         self.pid = os.getpid()
@@ -230,8 +231,11 @@ class WorkerMonitor:
 
     def state(self) -> tuple[str, int, int]:
         """(state, running, fenced): the main process's lifecycle, else its children's work."""
-        counts = self.live_counts() or self.runtime.states.counts()
-        running, fenced = counts
+        fenced = self.live_fenced()
+        if fenced is None:
+            running, fenced = self.runtime.states.counts()
+        else:
+            running = guarded_requests_executing()
         lifecycle = self.runtime.states.lifecycle
         if lifecycle is None and self.runtime.circuit.state is CircuitState.OPEN:
             lifecycle = WorkerState.DRAINING  # store failing: no new work (docs/backpressure.md)
@@ -271,8 +275,10 @@ class WorkerMonitor:
         leader = bool(reaper is not None and reaper.leader)
         circuit = self.runtime.circuit
         enabled = circuit.config.circuit_enabled
+        state, running, _ = self.state()
         return WorkerSnapshot(
-            state=self.state()[0],
+            state=state,
+            running=running,
             leader=leader,
             circuit_state=int(circuit.state) if enabled else None,
             circuit_opened=circuit.opened if enabled else None,
@@ -287,6 +293,22 @@ class WorkerMonitor:
             self.runtime.store.workers.remove_worker(self.hostname, self.pid)
         except StoreError as exc:
             logger.info("celery_guard could not remove the worker heartbeat: %s", exc)
+
+
+def guarded_requests_executing() -> int:
+    """Guarded tasks this worker executes now, from Celery's own bookkeeping.
+
+    The worker's main process keeps every request its pool has accepted and not finished in
+    ``celery.worker.state.active_requests`` (what ``celery inspect active`` answers), whatever
+    the pool. Counting them here spares each pool process two shared-gauge writes per delivery.
+    A task counts from its acceptance to its end, a duplicate that runs no body included.
+    """
+    # list() copies the set in one step: the consumer's thread adds and removes requests.
+    return sum(
+        1
+        for request in list(celery_worker_state.active_requests)
+        if getattr(request.task, "guarded", False)
+    )
 
 
 class CircuitStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types

@@ -161,7 +161,8 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     MetricSpec(
         "celery_guard_executions_running",
         "gauge",
-        "Guarded bodies running now in this worker.",
+        "Guarded tasks this worker is executing now (Celery's active requests of guarded tasks).",
+        scope="worker",
     ),
     MetricSpec(
         "celery_guard_executions_fenced",
@@ -429,8 +430,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def live_execution_counts() -> tuple[int, int] | None:
-    """(running, fenced) guarded executions summed over this worker's processes.
+def live_fenced_count() -> int | None:
+    """Guarded executions whose lease was lost, summed over this worker's processes.
 
     ``None`` outside multiprocess mode (the process's own tracker knows then).
     """
@@ -439,17 +440,16 @@ def live_execution_counts() -> tuple[int, int] | None:
         return None
     forget_dead_processes(directory)
     files = glob.glob(os.path.join(directory, "gauge_livesum_*.db"))
-    totals = {"celery_guard_executions_running": 0.0, "celery_guard_executions_fenced": 0.0}
     merged = multiprocess.MultiProcessCollector.merge(  # type: ignore[no-untyped-call]
         files, accumulate=False
     )
-    for metric in merged:
-        for sample in metric.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return (
-        int(totals["celery_guard_executions_running"]),
-        int(totals["celery_guard_executions_fenced"]),
+    return int(
+        sum(
+            sample.value
+            for metric in merged
+            for sample in metric.samples
+            if sample.name == "celery_guard_executions_fenced"
+        )
     )
 
 
@@ -486,11 +486,9 @@ def record_claim(sender: Any = None, reason: str | None = None, **extra: Any) ->
         metrics.child("celery_guard_queue_lag_seconds", task).observe(lag)
 
 
-def record_executions(running: int = 0, fenced: int = 0, **_: Any) -> None:
-    """``celery_guard.signals.executions_changed`` receiver."""
-    metrics = process_metrics()
-    metrics["celery_guard_executions_running"].set(running)
-    metrics["celery_guard_executions_fenced"].set(fenced)
+def record_fenced(fenced: int = 0, **_: Any) -> None:
+    """``celery_guard.signals.executions_fenced`` receiver."""
+    process_metrics()["celery_guard_executions_fenced"].set(fenced)
 
 
 def record_store_call(ok: bool = True, timed_out: bool = False, calls: int = 1, **_: Any) -> None:
@@ -573,9 +571,11 @@ _RECEIVERS: Final = (
     (signals.lease_lost, record_lease_lost),
     (signals.reaper_pass, record_reaper_pass),
 )
-#: Recorded even without an endpoint: the worker's heartbeat row reads the running and fenced
-#: counts of its pool from these gauges (:func:`live_execution_counts`).
-_STATE_RECEIVERS: Final = ((signals.executions_changed, record_executions),)
+#: Recorded even without an endpoint: the worker's heartbeat row reads the fenced count of its
+#: pool from this gauge (:func:`live_fenced_count`). The running count is not recorded by the
+#: children at all: two gauge writes per delivery cost more than the rest of the metrics
+#: together, and the main process knows what its pool executes (``WorkerSnapshot.running``).
+_STATE_RECEIVERS: Final = ((signals.executions_fenced, record_fenced),)
 _DISPATCH_UID: Final = "celery_guard.metrics"
 
 
@@ -612,6 +612,8 @@ class WorkerSnapshot:
     circuit_state: int | None = None
     circuit_opened: int | None = None
     pool_concurrency: int | None = None
+    #: Guarded tasks the worker executes now (``None``: not known here).
+    running: int | None = None
     #: The reaper holder's last sample (``None`` when this worker does not hold the lease).
     sample: Any = None
 
@@ -639,6 +641,8 @@ class WorkerCollector(Collector):
             )
         if snap.pool_concurrency is not None:
             yield _single("celery_guard_pool_concurrency", float(snap.pool_concurrency))
+        if snap.running is not None:
+            yield _single("celery_guard_executions_running", float(snap.running))
         sample = snap.sample
         if sample is None:
             return

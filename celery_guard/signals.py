@@ -22,6 +22,10 @@ The others report the parts' own events; :mod:`celery_guard.metrics` subscribes 
 ``executions_changed``
     This process's guarded executions changed: ``running`` and ``fenced`` (ints). Sent by
     :class:`celery_guard.worker_state.StateTracker`, twice per delivery that runs a body.
+    Nothing of celery_guard's subscribes to it: a delivery pays for a receiver twice.
+``executions_fenced``
+    The number of this process's running executions whose lease was lost changed:
+    ``fenced`` (int). Sent by the same tracker, only on that change.
 ``lease_renewed``
     A lease was renewed ``gap`` seconds after its previous renewal (or its claim).
 ``lease_renewal_failed``
@@ -89,6 +93,7 @@ outcome = Signal(name="celery_guard.outcome")
 claimed = Signal(name="celery_guard.claimed")
 store_call = Signal(name="celery_guard.store_call")
 executions_changed = Signal(name="celery_guard.executions_changed")
+executions_fenced = Signal(name="celery_guard.executions_fenced")
 lease_renewed = Signal(name="celery_guard.lease_renewed")
 lease_renewal_failed = Signal(name="celery_guard.lease_renewal_failed")
 heartbeat_round = Signal(name="celery_guard.heartbeat_round")

@@ -37,6 +37,7 @@ class StateTracker:
         self._running = 0
         self._fenced: set[tuple[str, int]] = set()
         self._lifecycle: WorkerState | None = None  # DRAINING or STOPPED, when set
+        self._fenced_told = 0
 
     def counts(self) -> tuple[int, int]:
         """Executions running and fenced in this process."""
@@ -77,9 +78,15 @@ class StateTracker:
             self._settle(reason="worker started")
 
     def _settle(self, **context: object) -> None:
-        # Under the lock, so the gauges see the changes in the order they happened.
-        signals.executions_changed.send(None, running=self._running, fenced=len(self._fenced))
-        new = combine_state(self._lifecycle, self._running, len(self._fenced))
+        # Under the lock, so receivers see the changes in the order they happened.
+        fenced = len(self._fenced)
+        signals.executions_changed.send(None, running=self._running, fenced=fenced)
+        if fenced != self._fenced_told:
+            # Rare (a lease lost while its body runs), unlike the two changes of every
+            # delivery above: what the worker's main process reads from its children.
+            self._fenced_told = fenced
+            signals.executions_fenced.send(None, fenced=fenced)
+        new = combine_state(self._lifecycle, self._running, fenced)
         if new is not self.state:
             # READY <-> PROCESSING happens twice per task: at INFO it would double a worker's
             # log volume (Celery already logs each task received and done). The
