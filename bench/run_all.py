@@ -46,13 +46,15 @@ SMOKE_ARGS = {
     "scale": shlex.split("--rows 20000 --seconds 5 --workers 2 --tasks 200"),
     "claim_cost": ["--tasks", "200", "--repeats", "1"],
     "body_transaction": ["--tasks", "200", "--repeats", "1"],
+    "pool_cost": ["--from", "20", "--to", "60", "--rounds", "1", "--calls"],
 }
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600
 #: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes) and
 #: ``profile_worker`` is a profiler to run by hand; ``canvas``, ``pgbouncer_claims`` and
 #: ``pgbouncer_recovery`` print their tables for a note or docs/pgbouncer.md, by hand, and
-#: write no section; ``cpu`` and ``floor`` are helper modules of the benchmarks, not ones.
+#: write no section; ``cpu``, ``floor`` and ``pool_probe`` are helper modules of the
+#: benchmarks, not ones.
 NOT_BENCHMARKS = {
     "__init__",
     "run_all",
@@ -63,6 +65,7 @@ NOT_BENCHMARKS = {
     "pgbouncer_recovery",
     "cpu",
     "floor",
+    "pool_probe",
 }
 VERSIONED = {
     "celery": "celery",

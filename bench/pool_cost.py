@@ -1,0 +1,208 @@
+"""What a task costs a real worker's pool process, GuardedTask beside the floor, from inside.
+
+Run from the repository root::
+
+    .venv/bin/python bench/pool_cost.py --output docs/benchmarks.md
+
+bench/overhead.py's throughput ratios scatter by up to a third between runs on a small shared
+machine, and its /proc CPU per process by as much. This reads two steadier figures, in the
+same real prefork worker (concurrency 2, prefetch 4) draining the same pre-filled queue of a
+bench/overhead_app.py task, against a private PostgreSQL (``--settings durable``, the
+default, as production runs it) and Redis: each pool process measures itself
+(bench/pool_probe.py, loaded with ``celery worker --include``) over its tasks
+``--from`` to ``--to``, so start-up and the drain's tail are left out:
+
+- **CPU per task** of the pool process's main thread (``time.thread_time``): the task's own
+  work, Celery's in the pool included, without the other processes and threads that share
+  the cores. The median and the least of ``--rounds`` interleaved rounds, one worker per task
+  and round: a slow phase of the machine (steal time) inflates a round by up to half.
+- **Python function calls per task** (``--calls``, one more round under cProfile, whose own
+  cost is left out of the CPU figures): deterministic, so a change of a few calls shows.
+
+Tasks: the floor (bench/floor.py) and GuardedTask with defaults, on the no-op and the credit
+task. Ratios are GuardedTask's to the floor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # so that ``tests.rig`` and ``bench`` import when run as a script
+    sys.path.insert(0, str(ROOT))
+
+import sqlalchemy  # noqa: E402
+from sqlalchemy import create_engine  # noqa: E402
+
+from bench.overhead import publish_section, reset_database, settings_phrase  # noqa: E402
+from bench.pool_probe import ROWS_KEY  # noqa: E402
+from celery_guard import get_runtime  # noqa: E402
+from tests.rig import procs  # noqa: E402
+from tests.rig.servers import PostgresServer, RedisServer  # noqa: E402
+from tests.rig.workers import WorkerProcess  # noqa: E402
+
+HEADING = "## Pool cost (bench/pool_cost.py)"
+KINDS = ("noop", "credit")
+VARIANTS = ("floor", "guarded")
+CONCURRENCY = 2
+#: Seconds a worker may take to drain its queue before the run is called failed.
+RUN_TIMEOUT = 600.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="first", type=int, default=500, help="window start (500)")
+    parser.add_argument("--to", dest="last", type=int, default=2500, help="window end (2500)")
+    parser.add_argument("--rounds", type=int, default=3, help="CPU rounds; median (3)")
+    parser.add_argument("--calls", action="store_true", help="add a cProfile round for calls")
+    parser.add_argument("--settings", choices=("durable", "fast"), default="durable")
+    parser.add_argument("--output", type=Path, default=None, help="markdown file to write to")
+    args = parser.parse_args()
+    if not 0 < args.first < args.last:
+        parser.error("--from must be above 0 and below --to")
+    command = shlex.join([os.path.relpath(sys.executable, ROOT), *sys.argv])
+    load, started = os.getloadavg(), time.monotonic()
+    # Each pool process must finish --to tasks; prefetching can give one more than its share.
+    tasks = int(CONCURRENCY * args.last * 1.2)
+    cpu: dict[tuple[str, str], list[float]] = {}
+    calls: dict[tuple[str, str], float] = {}
+    with PostgresServer(durable=args.settings == "durable") as postgres, RedisServer() as redis:
+        env = {
+            "BENCH_BROKER_URL": redis.url_for(0),
+            "BENCH_REDIS_URL": redis.url_for(1),
+            "BENCH_STORE_URL": postgres.url,
+            "BENCH_GUARD_CONF": "",
+            "BENCH_PROBE_FROM": str(args.first),
+            "BENCH_PROBE_TO": str(args.last),
+        }
+        os.environ.update(env)
+        bench = importlib.import_module("bench.overhead_app")
+        bench.metadata.create_all(create_engine(postgres.url, poolclass=sqlalchemy.NullPool))
+        get_runtime(bench.app).migrate()
+        get_runtime(bench.app).store.dispose()
+        rounds = [False] * args.rounds + ([True] if args.calls else [])
+        for profiled in rounds:  # interleaved, so drift hits every variant alike
+            for kind in KINDS:
+                for variant in VARIANTS:
+                    rows = run(
+                        bench, postgres, redis, env, f"bench.{variant}_{kind}", tasks, profiled
+                    )
+                    if profiled:
+                        calls[kind, variant] = statistics.fmean(row["calls"] for row in rows)
+                        print(f"{variant}_{kind:7s} calls {calls[kind, variant]:7.0f}/task")
+                    else:
+                        per_task = statistics.fmean(row["cpu_us"] for row in rows)
+                        cpu.setdefault((kind, variant), []).append(per_task)
+                        print(f"{variant}_{kind:7s} pool CPU {per_task:7.0f} µs/task", flush=True)
+    section = render(args, command, cpu, calls, load, time.monotonic() - started)
+    publish_section(args.output, section, HEADING)
+
+
+def run(
+    bench: Any,
+    postgres: PostgresServer,
+    redis: RedisServer,
+    env: dict[str, str],
+    task_name: str,
+    tasks: int,
+    profiled: bool,
+) -> list[dict[str, Any]]:
+    """One worker drains ``tasks`` messages of ``task_name``; the pool processes' probe rows."""
+    reset_database(postgres.url)
+    for db in (0, 1):
+        with redis.client(db) as client:
+            client.flushdb()
+    task = bench.app.tasks[task_name]
+    with bench.app.producer_or_acquire() as producer:
+        for row_id in range(tasks):
+            task.apply_async((row_id,), queue="pool_cost", producer=producer)
+    worker = WorkerProcess(
+        bench.__name__,
+        env={**env, "BENCH_PROBE_CALLS": "1" if profiled else ""},
+        cwd=ROOT,
+        concurrency=CONCURRENCY,
+        queues="pool_cost",
+        loglevel="WARNING",
+        extra_args=["--include", "bench.pool_probe"],
+    )
+    try:
+        worker.start(wait_ready=False)
+        with redis.client(1) as client:
+
+            def reported() -> bool:
+                if worker.returncode is not None:
+                    raise RuntimeError(f"the {task_name} worker exited ({worker.returncode})")
+                if int(client.llen(ROWS_KEY)) >= CONCURRENCY:
+                    return True
+                if int(client.get(bench.DONE_KEY) or 0) >= tasks:
+                    raise RuntimeError(
+                        f"{task_name}: the queue drained before every pool process reached its "
+                        "window's end (one took most of the tasks): lower --to"
+                    )
+                return False
+
+            procs.wait_until(reported, RUN_TIMEOUT, f"{task_name}'s pool processes to report")
+            return [json.loads(row) for row in client.lrange(ROWS_KEY, 0, -1)]
+    finally:
+        worker.cleanup()
+
+
+def render(
+    args: argparse.Namespace,
+    command: str,
+    cpu: dict[tuple[str, str], list[float]],
+    calls: dict[tuple[str, str], float],
+    load: tuple[float, ...],
+    wall: float,
+) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = [
+        HEADING,
+        "",
+        f"Measured {when} with `{command}` (total wall time {wall:.0f} s, load average at "
+        f"start {load[0]:.2f}), PostgreSQL with {settings_phrase(args.settings)}.",
+        "",
+        f"One prefork worker (concurrency {CONCURRENCY}) per task and round drains a queue "
+        "filled beforehand; each pool process measures its own main thread's CPU "
+        f"(`time.thread_time`) over its tasks {args.first} to {args.last} "
+        "(bench/pool_probe.py). Median of the rounds' means over the pool processes, and the "
+        "least round (the machine's noise only ever adds CPU); *all rounds* lists them. "
+        "*Calls/task*: Python function calls per task over the same "
+        "window, from one more round under cProfile (deterministic; blank without `--calls`).",
+        "",
+        "| Task | Variant | Pool CPU µs/task | To floor | Least round | To floor | Calls/task "
+        "| Calls above floor | All rounds (µs) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for kind in KINDS:
+        floor_cpu = statistics.median(cpu[kind, "floor"])
+        floor_least = min(cpu[kind, "floor"])
+        for variant in VARIANTS:
+            median = statistics.median(cpu[kind, variant])
+            least = min(cpu[kind, variant])
+            count = calls.get((kind, variant))
+            above = None if count is None else count - calls[kind, "floor"]
+            lines.append(
+                f"| {kind} | {variant} | {median:.0f} | {median / floor_cpu:.2f} | "
+                f"{least:.0f} | {least / floor_least:.2f} | "
+                + ("" if count is None else f"{count:.0f}")
+                + " | "
+                + ("" if above is None or variant == "floor" else f"+{above:.0f}")
+                + " | "
+                + ", ".join(f"{value:.0f}" for value in cpu[kind, variant])
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
