@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from celery_guard import Fenced, StoreUnavailable
+from celery_guard import Fenced, StoreUnavailable, signals
 from celery_guard.lease.heartbeat import Heartbeat, Lease
 from celery_guard.worker_state import StateTracker, WorkerState
 
@@ -152,6 +152,33 @@ def test_a_fenced_execution_that_ends_leaves_the_process_ready() -> None:
     assert states.state is WorkerState.FENCED
     states.execution_ended("k", 1, fenced=False)
     assert states.state is WorkerState.READY
+
+
+def test_the_fenced_count_is_told_only_when_it_changes_the_running_count_every_time() -> None:
+    states = StateTracker()
+    changed: list[tuple[int, int]] = []
+    told: list[int] = []
+
+    def on_changed(running: int = 0, fenced: int = 0, **_: object) -> None:
+        changed.append((running, fenced))
+
+    def on_fenced(fenced: int = 0, **_: object) -> None:
+        told.append(fenced)
+
+    signals.executions_changed.connect(on_changed, weak=False)
+    signals.executions_fenced.connect(on_fenced, weak=False)
+    try:
+        for token in (1, 2):  # two deliveries, nothing fenced: no fenced signal at all
+            states.execution_started("k", token)
+            states.execution_ended("k", token, fenced=False)
+        states.execution_started("k", 3)
+        states.execution_fenced("k", 3)
+        states.execution_ended("k", 3, fenced=True)
+    finally:
+        signals.executions_changed.disconnect(on_changed)
+        signals.executions_fenced.disconnect(on_fenced)
+    assert changed == [(1, 0), (0, 0), (1, 0), (0, 0), (1, 0), (1, 1), (0, 0)]
+    assert told == [1, 0]
 
 
 def test_per_task_state_changes_log_at_debug_the_rare_ones_at_info(
