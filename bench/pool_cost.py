@@ -74,6 +74,7 @@ def main() -> None:
     # Each pool process must finish --to tasks; prefetching can give one more than its share.
     tasks = int(CONCURRENCY * args.last * 1.2)
     cpu: dict[tuple[str, str], list[float]] = {}
+    system: dict[tuple[str, str], list[float]] = {}
     calls: dict[tuple[str, str], float] = {}
     with PostgresServer(durable=args.settings == "durable") as postgres, RedisServer() as redis:
         env = {
@@ -101,9 +102,15 @@ def main() -> None:
                         print(f"{variant}_{kind:7s} calls {calls[kind, variant]:7.0f}/task")
                     else:
                         per_task = statistics.fmean(row["cpu_us"] for row in rows)
+                        kernel = statistics.fmean(row["system_us"] for row in rows)
                         cpu.setdefault((kind, variant), []).append(per_task)
-                        print(f"{variant}_{kind:7s} pool CPU {per_task:7.0f} µs/task", flush=True)
-    section = render(args, command, cpu, calls, load, time.monotonic() - started)
+                        system.setdefault((kind, variant), []).append(kernel)
+                        print(
+                            f"{variant}_{kind:7s} pool CPU {per_task:7.0f} µs/task "
+                            f"(system {kernel:5.0f})",
+                            flush=True,
+                        )
+    section = render(args, command, cpu, system, calls, load, time.monotonic() - started)
     publish_section(args.output, section, HEADING)
 
 
@@ -160,6 +167,7 @@ def render(
     args: argparse.Namespace,
     command: str,
     cpu: dict[tuple[str, str], list[float]],
+    system: dict[tuple[str, str], list[float]],
     calls: dict[tuple[str, str], float],
     load: tuple[float, ...],
     wall: float,
@@ -176,12 +184,13 @@ def render(
         f"(`time.thread_time`) over its tasks {args.first} to {args.last} "
         "(bench/pool_probe.py). Median of the rounds' means over the pool processes, and the "
         "least round (the machine's noise only ever adds CPU); *all rounds* lists them. "
-        "*Calls/task*: Python function calls per task over the same "
+        "*Of it, system*: the kernel's share of the same thread's time (median; from "
+        "/proc, in clock ticks). *Calls/task*: Python function calls per task over the same "
         "window, from one more round under cProfile (deterministic; blank without `--calls`).",
         "",
-        "| Task | Variant | Pool CPU µs/task | To floor | Least round | To floor | Calls/task "
-        "| Calls above floor | All rounds (µs) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| Task | Variant | Pool CPU µs/task | Of it, system | To floor | Least round | To floor "
+        "| Calls/task | Calls above floor | All rounds (µs) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for kind in KINDS:
         floor_cpu = statistics.median(cpu[kind, "floor"])
@@ -192,7 +201,8 @@ def render(
             count = calls.get((kind, variant))
             above = None if count is None else count - calls[kind, "floor"]
             lines.append(
-                f"| {kind} | {variant} | {median:.0f} | {median / floor_cpu:.2f} | "
+                f"| {kind} | {variant} | {median:.0f} | "
+                f"{statistics.median(system[kind, variant]):.0f} | {median / floor_cpu:.2f} | "
                 f"{least:.0f} | {least / floor_least:.2f} | "
                 + ("" if count is None else f"{count:.0f}")
                 + " | "

@@ -5,7 +5,9 @@ pool forks). In each pool process it counts finished tasks (``task_postrun``); a
 ``BENCH_PROBE_FROM``-th it notes the main thread's CPU time (``time.thread_time``: this
 thread alone, so the heartbeat and watchdog threads are left out, as are other processes on
 the same cores), and at the ``BENCH_PROBE_TO``-th it pushes one JSON row per process to the
-bench Redis list :data:`ROWS_KEY`: ``pid``, ``tasks`` (the window), ``cpu_us`` (per task) and,
+bench Redis list :data:`ROWS_KEY`: ``pid``, ``tasks`` (the window), ``cpu_us`` (per task),
+``user_us`` and ``system_us`` (the same thread's user and kernel time per task, from
+``/proc/thread-self/stat``, in clock ticks: coarse, fine over a window of seconds) and,
 with ``BENCH_PROBE_CALLS=1``, ``calls`` (Python function calls per task: cProfile runs over
 the window, timed by thread CPU; its own cost inflates ``cpu_us`` then, the call count is
 exact).
@@ -30,6 +32,14 @@ ROWS_KEY = "bench:probe"
 _FROM = int(os.environ.get("BENCH_PROBE_FROM", "500"))
 _TO = int(os.environ.get("BENCH_PROBE_TO", "2500"))
 _CALLS = os.environ.get("BENCH_PROBE_CALLS") == "1"
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _user_system() -> tuple[float, float]:
+    """This thread's user and system CPU seconds (Linux)."""
+    with open("/proc/thread-self/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / _HZ, int(fields[12]) / _HZ
 
 
 class _Window:
@@ -39,6 +49,7 @@ class _Window:
         self.pid = os.getpid()
         self.done = 0
         self.cpu_at_start = 0.0
+        self.user_system_at_start = (0.0, 0.0)
         self.profile: cProfile.Profile | None = None
 
 
@@ -57,10 +68,18 @@ def _count(**_: Any) -> None:
             window.profile = cProfile.Profile(time.thread_time)
             window.profile.enable()
         window.cpu_at_start = time.thread_time()
+        window.user_system_at_start = _user_system()
     elif window.done == _TO:
         cpu = time.thread_time() - window.cpu_at_start
+        user, system = _user_system()
         tasks = _TO - _FROM
-        row: dict[str, Any] = {"pid": window.pid, "tasks": tasks, "cpu_us": cpu / tasks * 1e6}
+        row: dict[str, Any] = {
+            "pid": window.pid,
+            "tasks": tasks,
+            "cpu_us": cpu / tasks * 1e6,
+            "user_us": (user - window.user_system_at_start[0]) / tasks * 1e6,
+            "system_us": (system - window.user_system_at_start[1]) / tasks * 1e6,
+        }
         if window.profile is not None:
             window.profile.disable()
             stats = pstats.Stats(window.profile)
