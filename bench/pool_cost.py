@@ -29,6 +29,7 @@ import argparse
 import importlib
 import json
 import os
+import pstats
 import shlex
 import statistics
 import sys
@@ -64,11 +65,33 @@ def main() -> None:
     parser.add_argument("--to", dest="last", type=int, default=2500, help="window end (2500)")
     parser.add_argument("--rounds", type=int, default=3, help="CPU rounds; median (3)")
     parser.add_argument("--calls", action="store_true", help="add a cProfile round for calls")
+    parser.add_argument(
+        "--dump",
+        type=Path,
+        default=None,
+        help="with --calls: write each pool process's profile to DIR/<task>/<pid>.pstats",
+    )
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        help="with --dump: print the N functions with the most calls per task above the floor",
+    )
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"tasks to run, of {','.join(KINDS)}"
+    )
     parser.add_argument("--settings", choices=("durable", "fast"), default="durable")
     parser.add_argument("--output", type=Path, default=None, help="markdown file to write to")
     args = parser.parse_args()
     if not 0 < args.first < args.last:
         parser.error("--from must be above 0 and below --to")
+    kinds = tuple(kind for kind in args.kinds.split(",") if kind)
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--kinds takes some of {','.join(KINDS)}")
+    if args.dump is not None and not args.calls:
+        parser.error("--dump needs --calls")
+    if args.top and args.dump is None:
+        parser.error("--top needs --dump")
     command = shlex.join([os.path.relpath(sys.executable, ROOT), *sys.argv])
     load, started = os.getloadavg(), time.monotonic()
     # Each pool process must finish --to tasks; prefetching can give one more than its share.
@@ -92,11 +115,14 @@ def main() -> None:
         get_runtime(bench.app).store.dispose()
         rounds = [False] * args.rounds + ([True] if args.calls else [])
         for profiled in rounds:  # interleaved, so drift hits every variant alike
-            for kind in KINDS:
+            for kind in kinds:
                 for variant in VARIANTS:
-                    rows = run(
-                        bench, postgres, redis, env, f"bench.{variant}_{kind}", tasks, profiled
-                    )
+                    name = f"{variant}_{kind}"
+                    dump = None
+                    if profiled and args.dump is not None:
+                        dump = args.dump / name
+                        dump.mkdir(parents=True, exist_ok=True)
+                    rows = run(bench, postgres, redis, env, f"bench.{name}", tasks, profiled, dump)
                     if profiled:
                         calls[kind, variant] = statistics.fmean(row["calls"] for row in rows)
                         print(f"{variant}_{kind:7s} calls {calls[kind, variant]:7.0f}/task")
@@ -110,7 +136,12 @@ def main() -> None:
                             f"(system {kernel:5.0f})",
                             flush=True,
                         )
-    section = render(args, command, cpu, system, calls, load, time.monotonic() - started)
+    if args.top:
+        for kind in kinds:
+            print_top(args.dump, kind, args.last - args.first, args.top)
+    if not cpu:  # --rounds 0: the calls (and dumps) were all that was asked for
+        return
+    section = render(args, kinds, command, cpu, system, calls, load, time.monotonic() - started)
     publish_section(args.output, section, HEADING)
 
 
@@ -122,6 +153,7 @@ def run(
     task_name: str,
     tasks: int,
     profiled: bool,
+    dump: Path | None = None,
 ) -> list[dict[str, Any]]:
     """One worker drains ``tasks`` messages of ``task_name``; the pool processes' probe rows."""
     reset_database(postgres.url)
@@ -134,7 +166,11 @@ def run(
             task.apply_async((row_id,), queue="pool_cost", producer=producer)
     worker = WorkerProcess(
         bench.__name__,
-        env={**env, "BENCH_PROBE_CALLS": "1" if profiled else ""},
+        env={
+            **env,
+            "BENCH_PROBE_CALLS": "1" if profiled else "",
+            "BENCH_PROBE_DUMP": "" if dump is None else str(dump.resolve()),
+        },
         cwd=ROOT,
         concurrency=CONCURRENCY,
         queues="pool_cost",
@@ -163,8 +199,33 @@ def run(
         worker.cleanup()
 
 
+def calls_by_function(directory: Path, tasks: int) -> dict[str, float]:
+    """Calls per task of each function, over the profiles one worker's processes dumped."""
+    totals: dict[str, float] = {}
+    profiles = sorted(directory.glob("*.pstats"))
+    for path in profiles:
+        for (filename, line, function), entry in pstats.Stats(str(path)).stats.items():  # type: ignore[attr-defined]
+            where = f"{Path(filename).name}:{line}({function})" if line else function
+            totals[where] = totals.get(where, 0.0) + entry[1]
+    return {where: count / (tasks * len(profiles)) for where, count in totals.items()}
+
+
+def print_top(directory: Path, kind: str, tasks: int, top: int) -> None:
+    """The functions GuardedTask calls most often per task more than the floor does."""
+    floor = calls_by_function(directory / f"floor_{kind}", tasks)
+    guarded = calls_by_function(directory / f"guarded_{kind}", tasks)
+    above = sorted(
+        ((count - floor.get(where, 0.0), count, where) for where, count in guarded.items()),
+        reverse=True,
+    )
+    print(f"{kind}: calls per task, GuardedTask above the floor (GuardedTask's own count)")
+    for extra, count, where in above[:top]:
+        print(f"  {extra:+7.1f} {count:7.1f}  {where}")
+
+
 def render(
     args: argparse.Namespace,
+    kinds: tuple[str, ...],
     command: str,
     cpu: dict[tuple[str, str], list[float]],
     system: dict[tuple[str, str], list[float]],
@@ -192,7 +253,7 @@ def render(
         "| Calls/task | Calls above floor | All rounds (µs) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for kind in KINDS:
+    for kind in kinds:
         floor_cpu = statistics.median(cpu[kind, "floor"])
         floor_least = min(cpu[kind, "floor"])
         for variant in VARIANTS:

@@ -10,7 +10,9 @@ bench Redis list :data:`ROWS_KEY`: ``pid``, ``tasks`` (the window), ``cpu_us`` (
 ``/proc/thread-self/stat``, in clock ticks: coarse, fine over a window of seconds) and,
 with ``BENCH_PROBE_CALLS=1``, ``calls`` (Python function calls per task: cProfile runs over
 the window, timed by thread CPU; its own cost inflates ``cpu_us`` then, the call count is
-exact).
+exact). With ``BENCH_PROBE_DUMP`` set to a directory too, each process also writes its
+profile there as ``<pid>.pstats``, for ``python -m pstats`` or bench/pool_cost.py's
+``--top``.
 
 Throughput on a small shared machine moves by a third between runs; the CPU one process's
 main thread spends per task moves far less, and a function-call count not at all.
@@ -32,6 +34,7 @@ ROWS_KEY = "bench:probe"
 _FROM = int(os.environ.get("BENCH_PROBE_FROM", "500"))
 _TO = int(os.environ.get("BENCH_PROBE_TO", "2500"))
 _CALLS = os.environ.get("BENCH_PROBE_CALLS") == "1"
+_DUMP = os.environ.get("BENCH_PROBE_DUMP", "")
 _HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -85,6 +88,8 @@ def _count(**_: Any) -> None:
             stats = pstats.Stats(window.profile)
             calls = sum(entry[1] for entry in stats.stats.values())  # type: ignore[attr-defined]
             row["calls"] = calls / tasks
+            if _DUMP:
+                stats.dump_stats(os.path.join(_DUMP, f"{window.pid}.pstats"))
         # Imported here: bench/pool_cost.py imports this module before it has configured the
         # app through the environment (the worker imported the app long before).
         from bench.overhead_app import counter
