@@ -283,6 +283,7 @@ class WorkerMonitor:
             circuit_state=int(circuit.state) if enabled else None,
             circuit_opened=circuit.opened if enabled else None,
             pool_concurrency=circuit.concurrency or getattr(pool, "num_processes", None),
+            store_calls=circuit.store_call_totals(),
             sample=self.sample_ if leader else None,
         )
 
@@ -330,17 +331,19 @@ class CircuitStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ship
         runtime = get_runtime(parent.app)
         circuit: Circuit = runtime.circuit
         config = runtime.config
-        if not circuit.enabled:
-            return
         if circuit.block is None:
-            circuit_logger.error(
-                "celery_guard circuit: no shared block (worker_init did not run); off"
-            )
+            if circuit.enabled:
+                circuit_logger.error(
+                    "celery_guard circuit: no shared block (worker_init did not run); off"
+                )
             return
         pool = parent.pool
         prefork = isinstance(pool, PreforkPool)
         if not prefork:
+            # Deliveries run in this process: its store calls are the ones the metrics count.
             circuit.record_in_this_process()
+        if not circuit.enabled:
+            return
         adaptive_from: int | None = None
         if config.adaptive_concurrency:
             if not prefork:

@@ -266,6 +266,62 @@ def _bound_text(value: Any) -> str:
     return serialization.dumps(value, canonical=True)  # a default the signature applied
 
 
+@functools.lru_cache(maxsize=1024)
+def _plain_parameters(fun: Callable[..., Any]) -> tuple[tuple[str, ...], dict[str, Any]] | None:
+    """``fun``'s parameter names and defaults when every one of them can be passed by position
+    or by name (no ``*args``, ``**kwargs``, keyword- or positional-only ones), else ``None``."""
+    try:
+        parameters = list(_signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(parameter.kind is not parameter.POSITIONAL_OR_KEYWORD for parameter in parameters):
+        return None
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    return tuple(parameter.name for parameter in parameters), defaults
+
+
+def _plainly_bound(
+    plain: tuple[tuple[str, ...], dict[str, Any]],
+    positional: list[_Slot],
+    named: dict[str, _Slot],
+) -> list[tuple[str, str]] | None:
+    """The bound arguments' (name, text) pairs for a plain signature, as ``Signature.bind``
+    and ``apply_defaults`` give them, without either (a tenth of a delivery's own Python
+    calls); ``None`` where the arguments do not fit, which the bind then reports."""
+    names, defaults = plain
+    count = len(positional)
+    if count > len(names):
+        return None
+    items = [(name, slot.text) for name, slot in zip(names[:count], positional, strict=True)]
+    used = 0
+    for name in names[count:]:
+        slot = named.get(name)
+        if slot is not None:
+            items.append((name, slot.text))
+            used += 1
+        elif name in defaults:
+            items.append((name, serialization.dumps(defaults[name], canonical=True)))
+        else:
+            return None  # missing
+    return items if used == len(named) else None  # else unknown, or given twice
+
+
+def _bound_json(
+    fun: Callable[..., Any], positional: list[_Slot], named: dict[str, _Slot]
+) -> str | None:
+    """The bound arguments' canonical text, or ``None`` when they do not fit ``fun``."""
+    plain = _plain_parameters(fun)
+    items = None if plain is None else _plainly_bound(plain, positional, named)
+    if items is not None:
+        return _joined_object(items)
+    try:
+        bound = _signature(fun).bind(*positional, **named)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return _joined_object([(name, _bound_text(value)) for name, value in bound.arguments.items()])
+
+
 def encode_payload(
     task_name: str, fun: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Payload:
@@ -282,16 +338,10 @@ def encode_payload(
         named = {name: _Slot(_value_text(value)) for name, value in kwargs.items()}
         args_json = "[" + ",".join([slot.text for slot in positional]) + "]"
         kwargs_json = _joined_object([(name, slot.text) for name, slot in named.items()])
-        try:
-            bound = _signature(fun).bind(*positional, **named)
-        except (TypeError, ValueError):
+        arguments_json = _bound_json(fun, positional, named)
+        if arguments_json is None:
             # Keyed as sent, as bind_arguments does; the body's call raises the TypeError.
             arguments_json = f'{{"args":{args_json},"kwargs":{kwargs_json}}}'
-        else:
-            bound.apply_defaults()
-            arguments_json = _joined_object(
-                [(name, _bound_text(value)) for name, value in bound.arguments.items()]
-            )
         text = f'{{"arguments":{arguments_json},"task":{name_text(task_name)}}}'
         # Lone surrogates pass json.dumps but no database stores them (UnicodeEncodeError).
         encoded = text.encode("utf-8")

@@ -81,7 +81,7 @@ class MetricSpec:
 
 
 #: Counters whose value lives elsewhere (the circuit's shared block) and is read at scrape time.
-_READ_AT_SCRAPE = frozenset({"celery_guard_circuit_opened"})
+_READ_AT_SCRAPE = frozenset({"celery_guard_circuit_opened", "celery_guard_store_calls"})
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 _RECOVERY_BUCKETS = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 900, 3600)
@@ -175,6 +175,8 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         "Store calls made for deliveries, by result: ok, error (the store did not answer) or "
         "timeout.",
         ("result",),
+        # Counted by the processes that make the calls, in the circuit's shared block, which
+        # the main process reads at scrape time (_READ_AT_SCRAPE): no write per delivery.
     ),
     # -- the worker's main process -------------------------------------------------------------
     MetricSpec(
@@ -491,12 +493,6 @@ def record_fenced(fenced: int = 0, **_: Any) -> None:
     process_metrics()["celery_guard_executions_fenced"].set(fenced)
 
 
-def record_store_call(ok: bool = True, timed_out: bool = False, calls: int = 1, **_: Any) -> None:
-    """``celery_guard.signals.store_call`` receiver: ``calls`` store calls with one result."""
-    result = "ok" if ok else ("timeout" if timed_out else "error")
-    process_metrics().child("celery_guard_store_calls", result).inc(calls)
-
-
 def record_renewal_failed(reason: str = "", **_: Any) -> None:
     """``celery_guard.signals.lease_renewal_failed`` receiver."""
     process_metrics()["celery_guard_lease_renewal_failures"].labels(reason=reason).inc()
@@ -544,7 +540,8 @@ def record_reaper_pass(
 def declare_series() -> None:
     """Create this worker's fixed label combinations at zero (worker start).
 
-    Only the few per-worker ones (renewal failures, lease expirations, store calls: 8 series),
+    Only the few per-worker ones (renewal failures, lease expirations: 5 series; the store
+    calls' 3 are read from the circuit's shared block and exported from the start),
     so ``rate()`` over them reads 0 rather than nothing from the start. Per-task series are
     not declared: each task name would cost a series per outcome whether it ever happened or
     not (11 per task; 2,200 for 200 task names). They appear at their first event, which the
@@ -556,15 +553,12 @@ def declare_series() -> None:
         metrics["celery_guard_lease_renewal_failures"].labels(reason=reason)
     for cause in ("taken_over", "expired", "store_unreachable"):
         metrics["celery_guard_lease_expirations"].labels(reason=cause)
-    for result in ("ok", "error", "timeout"):
-        metrics["celery_guard_store_calls"].labels(result=result)
 
 
 #: Every signal the metrics subscribe to, with its receiver: the only way they are fed.
 _RECEIVERS: Final = (
     (signals.outcome, record_outcome),
     (signals.claimed, record_claim),
-    (signals.store_call, record_store_call),
     (signals.lease_renewed, record_renewed),
     (signals.lease_renewal_failed, record_renewal_failed),
     (signals.heartbeat_round, record_heartbeat_round),
@@ -615,6 +609,9 @@ class WorkerSnapshot:
     pool_concurrency: int | None = None
     #: Guarded tasks the worker executes now (``None``: not known here).
     running: int | None = None
+    #: Store calls made for deliveries since the worker started: ok, error, timeout
+    #: (``Circuit.store_call_totals``; ``None``: not counted here).
+    store_calls: tuple[int, int, int] | None = None
     #: The reaper holder's last sample (``None`` when this worker does not hold the lease).
     sample: Any = None
 
@@ -644,6 +641,15 @@ class WorkerCollector(Collector):
             yield _single("celery_guard_pool_concurrency", float(snap.pool_concurrency))
         if snap.running is not None:
             yield _single("celery_guard_executions_running", float(snap.running))
+        if snap.store_calls is not None:
+            calls = CounterMetricFamily(
+                "celery_guard_store_calls",
+                SPECS["celery_guard_store_calls"].help,
+                labels=["result"],
+            )
+            for result, count in zip(("ok", "error", "timeout"), snap.store_calls, strict=True):
+                calls.add_metric([result], float(count))
+            yield calls
         sample = snap.sample
         if sample is None:
             return

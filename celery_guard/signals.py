@@ -10,15 +10,16 @@ released, retried, dead_lettered) also carry ``seconds``: from the claim to that
 ``fencing_token``, ``attempts`` and ``queue_lag`` (seconds from publish, or the message's ETA
 if later, to the claim; ``None`` when the message carried no publish time).
 
-The others report the parts' own events; :mod:`celery_guard.metrics` subscribes to all of them
-(``install()`` connects it), and nothing calls the metrics directly. Each is sent with
-``sender=None`` in the process where the event happened:
+The others report the parts' own events; :mod:`celery_guard.metrics` subscribes to all of
+them but ``store_call`` (``install()`` connects it), and nothing calls the metrics directly.
+Each is sent with ``sender=None`` in the process where the event happened:
 
 ``store_call``
     Store (or Redis lease) calls made for deliveries, ``calls`` (int) of them with one result:
     ``ok`` (bool, the store answered) and ``timed_out`` (bool). Sent by the circuit's counter
     (:mod:`celery_guard.circuit`) in batches, not per call: at the end of each delivery, and
-    at least every second while calls are made.
+    at least every second while calls are made; only while it has a receiver. The metrics
+    read the same counts from the circuit's shared block at scrape time instead.
 ``executions_changed``
     This process's guarded executions changed: ``running`` and ``fenced`` (ints). Sent by
     :class:`celery_guard.worker_state.StateTracker`, twice per delivery that runs a body.

@@ -98,12 +98,17 @@ class Circuit:
                 setattr(leases, name, _observed(getattr(leases, name), self.observe))
 
     def on_worker_init(self) -> None:
-        """Main process, ``worker_init``: create the shared block before the pool forks."""
-        if self.enabled and self.block is None:
+        """Main process, ``worker_init``: create the shared block before the pool forks.
+
+        Created with the circuit off too: the block is also where the worker's store-call
+        counts live, which the metrics read at scrape time (:meth:`store_call_totals`).
+        """
+        if self.block is None:
             self.block = SharedBlock()
-        if self.block is not None:  # a worker started again in this process starts afresh
-            self.block.state = CircuitState.CLOSED
-            self.block.opened = 0
+        # A worker started again in this process starts afresh (its store-call counts go on:
+        # a counter only grows).
+        self.block.state = CircuitState.CLOSED
+        self.block.opened = 0
 
     def on_child_start(self) -> None:
         """Prefork child, ``worker_process_init``: count this child's calls in its own slot."""
@@ -149,8 +154,15 @@ class Circuit:
         One signal per result with the number of calls (``calls``), not one per call: the
         handler's delivery tells at its end (:class:`celery_guard.task.GuardedTask`), and
         :meth:`record` tells when :data:`TELL_EVERY` seconds have passed (a long body's
-        renewals, an in-process pool's reaper), so the counters lag by a second at most.
+        renewals, an in-process pool's reaper), so a receiver lags by a second at most.
+        celery_guard's metrics are not a receiver (they read :meth:`store_call_totals`), so
+        with no receiver of the user's nothing is sent.
         """
+        if not signals.store_call.receivers:
+            # Nobody to tell: forget the counts (one counted meanwhile is lost to nobody).
+            self._untold = [0, 0, 0]
+            self._told_at = time.monotonic()
+            return
         untold = self._untold
         if not (untold[0] or untold[1] or untold[2]):
             return  # read without the lock: a call counted meanwhile is told next time
@@ -160,6 +172,22 @@ class Circuit:
         for (ok, timeout), calls in zip(_RESULTS, counts, strict=True):
             if calls:
                 signals.store_call.send(None, ok=ok, timed_out=timeout, calls=calls)
+
+    def store_call_totals(self) -> tuple[int, int, int] | None:
+        """Store calls counted since the worker started, summed over its processes: ok, error
+        (the store did not answer) and timeout, as :meth:`record` tells them apart.
+
+        Read from the shared block in the main process (``None`` before ``worker_init``): the
+        counts a SIGKILLed child made stay in its slot, which its replacement keeps counting in,
+        so the totals never go backwards while the worker runs.
+        """
+        block = self.block
+        if block is None:
+            return None
+        totals = block.totals()
+        # A timeout is a failure too (record), and a call that did not fail never times out.
+        timeouts = min(totals.timeouts, totals.failures)
+        return max(0, totals.calls - totals.failures), totals.failures - timeouts, timeouts
 
     @contextmanager
     def unrecorded(self) -> Iterator[None]:

@@ -26,6 +26,7 @@ from celery_guard.circuit.breaker import (
 )
 from celery_guard.circuit.shared import SharedBlock
 from celery_guard.circuit.timeouts import is_timeout, timed_out
+from celery_guard.metrics import WorkerSnapshot, build_registry
 
 
 class Clock:
@@ -463,3 +464,39 @@ def test_held_store_calls_are_told_once_a_second_has_passed(monkeypatch: Any) ->
         assert told == [1, 3]
     finally:
         signals.store_call.disconnect(receiver, dispatch_uid="test-held")
+
+
+def test_store_call_totals_split_by_result_with_the_circuit_off_and_no_receiver() -> None:
+    circuit = Circuit(GuardConfig(circuit_enabled=False, adaptive_concurrency=False))
+    assert not circuit.enabled
+    assert circuit.store_call_totals() is None  # outside a worker: nothing counted
+    circuit.on_worker_init()  # the block exists without the circuit: the metrics read it
+    circuit.record_in_this_process()
+    assert not signals.store_call.receivers
+    for _ in range(3):
+        circuit.observe(0.001, None)
+    circuit.observe(0.01, wrapped(psycopg.OperationalError("connection refused")))
+    circuit.observe(0.02, wrapped(psycopg.errors.QueryCanceled("statement timeout")))
+    circuit.tell()  # the end of a delivery, with nobody to tell
+    assert circuit.store_call_totals() == (3, 1, 1)
+
+
+def test_the_scrape_exports_the_store_calls_of_the_shared_block() -> None:
+    circuit = a_circuit(hold=1)
+    circuit.record_in_this_process()
+    circuit.observe(0.001, None)
+    circuit.observe(0.01, wrapped(psycopg.OperationalError("connection refused")))
+    registry = build_registry(
+        lambda: WorkerSnapshot(state="READY", leader=False, store_calls=circuit.store_call_totals())
+    )
+    exported = {
+        (sample.name, sample.labels.get("result")): sample.value
+        for family in registry.collect()
+        if family.name == "celery_guard_store_calls"
+        for sample in family.samples
+    }
+    assert exported == {
+        ("celery_guard_store_calls_total", "ok"): 1.0,
+        ("celery_guard_store_calls_total", "error"): 1.0,
+        ("celery_guard_store_calls_total", "timeout"): 0.0,
+    }

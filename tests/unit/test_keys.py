@@ -27,6 +27,10 @@ def charge(order_id: int, amount: int, currency: str = "EUR") -> None:
     """A task body's signature, for binding."""
 
 
+def plain(c: object, d: object, zz: object = (1, "x"), b: object = None) -> None:
+    """Every parameter positional or keyword, two with defaults (bound without the bind)."""
+
+
 def key(option: object, *args: object, **kwargs: object) -> str | None:
     return key_from_option(option, task_name="shop.charge", fun=charge, args=args, kwargs=kwargs)  # type: ignore[arg-type]
 
@@ -217,7 +221,7 @@ names = st.sampled_from(["c", "d", "zz", "b", "é", "extra_1", "a_"])
 def test_payload_serialized_once_gives_the_fingerprint_and_texts_of_separate_passes(
     args: list[object], kwargs: dict[str, object]
 ) -> None:
-    for fun in (variadic, charge):
+    for fun in (variadic, charge, plain):
         payload = encode_payload("t", fun, args, kwargs)
         bound = bind_arguments(fun, args, kwargs)
         assert payload.fingerprint == payload_fingerprint("t", bound)
