@@ -67,6 +67,8 @@ class ResultCodec:
 
     def dumps(self, value: Any) -> str:
         """JSON text for ``value``; ``TypeError`` when the backend's serializer refuses it."""
+        if value is None and self.serializer == "json":
+            return "null"  # what most bodies return, without a trip through the encoder
         if self.serializer != "pickle" and isinstance(value, ResultBase):
             return dumps({ENVELOPE: "celery.result", "value": value.as_tuple()})
         if self.serializer == "json":

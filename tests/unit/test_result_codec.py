@@ -30,6 +30,19 @@ def test_plain_json_results_stay_plain_json() -> None:
     assert codec.loads(text) == value
 
 
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_a_body_that_returns_nothing_is_stored_as_its_serializer_writes_none(
+    serializer: str,
+) -> None:
+    codec = ResultCodec(app_with(serializer))
+    text = codec.dumps(None)
+    assert codec.loads(text) is None
+    if serializer == "json":
+        assert text == "null"
+    else:  # kept in the serializer's envelope, like every other pickled value
+        assert loads(text)[ENVELOPE] == "serialized"
+
+
 def test_an_async_result_or_group_result_is_stored_as_its_tuple_and_restored() -> None:
     app = app_with()
     codec = ResultCodec(app)
