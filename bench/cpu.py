@@ -52,6 +52,23 @@ def machine_busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / _HZ  # idle and iowait
 
 
+def steal_ticks() -> tuple[int, int]:
+    """Clock ticks since boot, summed over the cores: (stolen, all) (/proc/stat).
+
+    Steal is time a virtual machine's cores were ready to run but the hypervisor ran someone
+    else: the share of it over a run says how much the machine's neighbours slowed it.
+    """
+    with open("/proc/stat") as stat:
+        values = [int(value) for value in stat.readline().split()[1:]]
+    return values[7], sum(values[:8])  # steal; user..steal (guest time is inside user)
+
+
+def stolen_share(start: tuple[int, int], end: tuple[int, int]) -> float:
+    """The share of the cores' time stolen between two :func:`steal_ticks` readings."""
+    total = end[1] - start[1]
+    return (end[0] - start[0]) / total if total > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class CpuSnapshot:
     """Cumulative CPU seconds at one moment, by part of the benchmark."""

@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:  # so that ``tests.rig`` and ``bench`` import when
 import sqlalchemy  # noqa: E402
 from sqlalchemy import create_engine  # noqa: E402
 
+from bench.cpu import steal_ticks, stolen_share  # noqa: E402
 from bench.overhead import publish_section, reset_database, settings_phrase  # noqa: E402
 from bench.pool_probe import ROWS_KEY  # noqa: E402
 from celery_guard import get_runtime  # noqa: E402
@@ -99,6 +100,7 @@ def main() -> None:
     cpu: dict[tuple[str, str], list[float]] = {}
     system: dict[tuple[str, str], list[float]] = {}
     calls: dict[tuple[str, str], float] = {}
+    steal: dict[tuple[str, str], list[float]] = {}
     with PostgresServer(durable=args.settings == "durable") as postgres, RedisServer() as redis:
         env = {
             "BENCH_BROKER_URL": redis.url_for(0),
@@ -122,7 +124,9 @@ def main() -> None:
                     if profiled and args.dump is not None:
                         dump = args.dump / name
                         dump.mkdir(parents=True, exist_ok=True)
-                    rows = run(bench, postgres, redis, env, f"bench.{name}", tasks, profiled, dump)
+                    rows, stolen = run(
+                        bench, postgres, redis, env, f"bench.{name}", tasks, profiled, dump
+                    )
                     if profiled:
                         calls[kind, variant] = statistics.fmean(row["calls"] for row in rows)
                         print(f"{variant}_{kind:7s} calls {calls[kind, variant]:7.0f}/task")
@@ -131,9 +135,10 @@ def main() -> None:
                         kernel = statistics.fmean(row["system_us"] for row in rows)
                         cpu.setdefault((kind, variant), []).append(per_task)
                         system.setdefault((kind, variant), []).append(kernel)
+                        steal.setdefault((kind, variant), []).append(stolen)
                         print(
                             f"{variant}_{kind:7s} pool CPU {per_task:7.0f} µs/task "
-                            f"(system {kernel:5.0f})",
+                            f"(system {kernel:5.0f}; {stolen:.0%} of the machine stolen)",
                             flush=True,
                         )
     if args.top:
@@ -141,7 +146,9 @@ def main() -> None:
             print_top(args.dump, kind, args.last - args.first, args.top)
     if not cpu:  # --rounds 0: the calls (and dumps) were all that was asked for
         return
-    section = render(args, kinds, command, cpu, system, calls, load, time.monotonic() - started)
+    section = render(
+        args, kinds, command, cpu, system, steal, calls, load, time.monotonic() - started
+    )
     publish_section(args.output, section, HEADING)
 
 
@@ -154,8 +161,9 @@ def run(
     tasks: int,
     profiled: bool,
     dump: Path | None = None,
-) -> list[dict[str, Any]]:
-    """One worker drains ``tasks`` messages of ``task_name``; the pool processes' probe rows."""
+) -> tuple[list[dict[str, Any]], float]:
+    """One worker drains ``tasks`` messages of ``task_name``: the pool processes' probe rows,
+    and the share of the machine's time stolen by the hypervisor meanwhile."""
     reset_database(postgres.url)
     for db in (0, 1):
         with redis.client(db) as client:
@@ -177,6 +185,7 @@ def run(
         loglevel="WARNING",
         extra_args=["--include", "bench.pool_probe"],
     )
+    stolen_from = steal_ticks()
     try:
         worker.start(wait_ready=False)
         with redis.client(1) as client:
@@ -194,7 +203,8 @@ def run(
                 return False
 
             procs.wait_until(reported, RUN_TIMEOUT, f"{task_name}'s pool processes to report")
-            return [json.loads(row) for row in client.lrange(ROWS_KEY, 0, -1)]
+            rows = [json.loads(row) for row in client.lrange(ROWS_KEY, 0, -1)]
+            return rows, stolen_share(stolen_from, steal_ticks())
     finally:
         worker.cleanup()
 
@@ -229,6 +239,7 @@ def render(
     command: str,
     cpu: dict[tuple[str, str], list[float]],
     system: dict[tuple[str, str], list[float]],
+    steal: dict[tuple[str, str], list[float]],
     calls: dict[tuple[str, str], float],
     load: tuple[float, ...],
     wall: float,
@@ -247,7 +258,9 @@ def render(
         "least round (the machine's noise only ever adds CPU); *all rounds* lists them. "
         "*Of it, system*: the kernel's share of the same thread's time (median; from "
         "/proc, in clock ticks). *Calls/task*: Python function calls per task over the same "
-        "window, from one more round under cProfile (deterministic; blank without `--calls`).",
+        "window, from one more round under cProfile (deterministic; blank without `--calls`). "
+        "*All rounds*: each round's CPU, and in brackets the share of the machine's time the "
+        "hypervisor stole during it (/proc/stat): the neighbours' load, which inflates a round.",
         "",
         "| Task | Variant | Pool CPU µs/task | Of it, system | To floor | Least round | To floor "
         "| Calls/task | Calls above floor | All rounds (µs) |",
@@ -269,7 +282,10 @@ def render(
                 + " | "
                 + ("" if above is None or variant == "floor" else f"+{above:.0f}")
                 + " | "
-                + ", ".join(f"{value:.0f}" for value in cpu[kind, variant])
+                + ", ".join(
+                    f"{value:.0f} ({stolen:.0%})"
+                    for value, stolen in zip(cpu[kind, variant], steal[kind, variant], strict=True)
+                )
                 + " |"
             )
     return "\n".join(lines) + "\n"

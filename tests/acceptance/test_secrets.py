@@ -28,6 +28,7 @@ from urllib.parse import quote
 
 import pytest
 from celery import Celery
+from celery.result import AsyncResult
 from sqlalchemy import create_engine
 
 from celery_guard import GuardConfig
@@ -83,9 +84,12 @@ class Scene:
     client: Celery
     evidence: Evidence
     workers: list[WorkerProcess] = field(default_factory=list)
+    results: list[AsyncResult] = field(default_factory=list)
 
-    def send(self, name: str, *args: Any, queue: str | None = None) -> Any:
-        return self.client.send_task(name, args=args, queue=queue or self.queue)
+    def send(self, name: str, *args: Any, queue: str | None = None) -> AsyncResult:
+        result = self.client.send_task(name, args=args, queue=queue or self.queue)
+        self.results.append(result)
+        return result
 
     def cli(
         self, *args: str, env: dict[str, str] | None = None
@@ -154,6 +158,12 @@ def scene() -> Iterator[Scene]:
         finally:
             for worker in scene.workers:
                 worker.stop()
+            # An AsyncResult's __del__ unsubscribes from the result backend. A test that failed
+            # with this Redis stopped keeps its results alive in its traceback, past this
+            # fixture: each would retry the stopped Redis for 20 s when collected, and fail
+            # whichever test runs then. Detached, they never touch it.
+            for result in scene.results:
+                result.backend = None
             # AsyncResults sit in reference cycles; collected after this Redis is gone, their
             # __del__ would retry it for 20 s and fail whichever test runs then. Collect them
             # now (what else is collected may warn of unclosed client sockets: not ours).
