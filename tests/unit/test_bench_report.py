@@ -6,7 +6,7 @@ import argparse
 import importlib
 from pathlib import Path
 
-from bench import peers, run_all
+from bench import overhead, peers, run_all
 
 
 def test_run_all_finds_every_benchmark_in_bench_and_skips_app_modules() -> None:
@@ -83,4 +83,24 @@ def test_scale_reports_percentiles_and_every_run_beside_its_load() -> None:
     assert any("celery_guard_keys: 1.0 → 2.0" in line for line in keys_lines)
     assert any(
         line.startswith("| 2 | 90 | 5 | 0 |") and "90 / 90" in line for line in claimer_lines
+    )
+
+
+def test_overhead_pairs_each_rounds_runs_and_says_both_verdicts() -> None:
+    result = overhead.SettingResult()
+    # Round 2 ran in a slow phase of the machine: both variants took twice as long.
+    result.seconds["floor_noop"] = [10.0, 20.0, 10.0]
+    result.seconds["guarded_noop"] = [11.0, 22.0, 12.5]
+    assert [round(r, 3) for r in overhead.paired_ratios(result, "guarded_noop", "floor_noop")] == [
+        0.909,
+        0.909,
+        0.8,
+    ]
+    args = argparse.Namespace(tasks=1000, variants=["floor", "guarded"])
+    (line,) = overhead.render_targets(args, {"durable": result})
+    # The medians (10 s and 12.5 s: runs of different rounds) make 0.80; the rounds' own
+    # ratios have a median of 0.91.
+    assert line == (
+        "- durable, noop: GuardedTask (defaults) / floor 0.80 (NOT met), paired 0.91 (met); "
+        "target at least 0.9"
     )
