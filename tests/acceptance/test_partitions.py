@@ -296,8 +296,8 @@ def test_a_flapping_store_connection_under_load_loses_nothing_and_runs_nothing_t
 #: What kombu's Redis transport raises when a worker's broker connection breaks while its
 #: channel still holds unacknowledged messages: closing the channel restores them through a
 #: connection whose parameters were already cleared (kombu/transport/redis.py, _connparams;
-#: celery/kombu#582). Celery calls it unrecoverable and the worker exits,
-#: warm, whatever its tasks are. docs/operations.md: run workers under a supervisor.
+#: celery/kombu#582). Celery calls it unrecoverable and the worker exits, warm, whatever its
+#: tasks are. docs/operations.md: run workers under a supervisor.
 KOMBU_LOST_CONNECTION_EXIT = (
     "Unrecoverable error: AttributeError(\"'NoneType' object has no attribute 'hostname'\")"
 )
@@ -320,14 +320,13 @@ def supervise(scene: Scene, replaced: list[WorkerProcess], most: int = 3) -> Non
         scene.start(1, concurrency=2)
 
 
-def stuck_report(scene: Scene, tags: list[str]) -> str:
-    """What a wait for every task saw: the keys without an effect, their rows, the workers."""
-    counts = scene.effect_counts(tags[0].rsplit("-", 1)[0] + "-")
-    lines = [f"{len(counts)} of {len(tags)} tasks completed; without an effect:"]
-    for n, tag in enumerate(tags):
+def stuck_report(scene: Scene, counts: dict[str, int], keys: dict[str, str]) -> str:
+    """What a wait for every task saw: the keys (by tag) without an effect, their rows, the
+    workers."""
+    lines = [f"{len(counts)} of {len(keys)} tasks completed; without an effect:"]
+    for tag, key in keys.items():
         if tag in counts:
             continue
-        key = f"long:{tag}" if n % 2 else f"record:{tag}"
         record = scene.record(key)
         lines.append(
             f"  {key}: "
@@ -404,8 +403,12 @@ def test_redis_and_postgresql_restarted_mid_run_every_task_completes_once(
         scene.start(2, concurrency=2)
         prefix = f"restart-{uuid.uuid4().hex[:8]}-"
         tags = [f"{prefix}{n}" for n in range(40)]
+        keys: dict[str, str] = {}  # by tag, as the shop's key options make them
         for n, tag in enumerate(tags):
-            name, args = ("shop.long_write", (tag, 1.0)) if n % 2 else ("shop.record", (tag,))
+            if n % 2:
+                name, args, keys[tag] = "shop.long_write", (tag, 1.0), f"long:{tag}"
+            else:
+                name, args, keys[tag] = "shop.record", (tag,), f"record:{tag}"
             producer.send_task(name, args=args, queue=scene.queue, ignore_result=True)
 
         replaced: list[WorkerProcess] = []
@@ -424,7 +427,9 @@ def test_redis_and_postgresql_restarted_mid_run_every_task_completes_once(
         try:
             wait_until(lambda: done() == len(tags), 180, "every task to complete")
         except TimeoutError as timeout:
-            raise AssertionError(stuck_report(scene, tags)) from timeout
+            raise AssertionError(
+                stuck_report(scene, scene.effect_counts(prefix), keys)
+            ) from timeout
         supervise(scene, replaced)
         assert at_postgres_restart < len(tags), "both restarts happened while work was left"
         # No owner was taken for dead: every liveness lock vanishes with a PostgreSQL restart,
