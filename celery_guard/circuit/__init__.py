@@ -127,7 +127,10 @@ class Circuit:
 
     def observe(self, seconds: float, error: StoreError | None) -> None:
         """What the store and the lease backend call after each of their calls."""
-        self.record(error is None, timed_out(error, seconds, self.config.store_timeout), seconds)
+        if error is None:
+            self.record(True, False, seconds)
+        else:
+            self.record(False, timed_out(error, seconds, self.config.store_timeout), seconds)
 
     def record(self, ok: bool, timed_out: bool, seconds: float) -> None:
         """Count one store call made for a delivery: ``ok`` (the store answered), whether it

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
-from celery_guard import signals
+from celery_guard import forks, signals
 from celery_guard.errors import Fenced, StoreError
 
 logger = logging.getLogger("celery_guard.lease")
@@ -156,7 +155,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        self._thread_pid: int | None = None
+        self._thread_generation: int | None = None  # forks.current where it runs
 
     def hold(self, lease: Lease) -> None:
         """Start renewing ``lease`` (starts this process's thread on first use)."""
@@ -213,13 +212,17 @@ class Heartbeat:
                 signals.lease_renewal_failed.send(None, reason="lost")
 
     def _ensure_thread(self) -> None:
-        pid = os.getpid()
-        if self._thread is not None and self._thread_pid == pid and self._thread.is_alive():
+        generation = forks.current
+        if (
+            self._thread is not None
+            and self._thread_generation == generation
+            and self._thread.is_alive()
+        ):
             return
         self._thread = threading.Thread(
             target=self._run, name="celery_guard-heartbeat", daemon=True
         )
-        self._thread_pid = pid
+        self._thread_generation = generation
         self._thread.start()
 
     def stop(self) -> None:

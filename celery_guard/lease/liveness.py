@@ -31,6 +31,7 @@ from typing import Any
 import psycopg
 from sqlalchemy import exc as sa_exc
 
+from celery_guard import forks
 from celery_guard.config import GuardConfig
 from celery_guard.store.engine import StoreEngine
 
@@ -80,7 +81,7 @@ class ProcessLiveness:
         self._owner_lock: int | None = None
         self._checked_at = 0.0
         #: The prefork worker's main process, once it holds the lock for the whole worker.
-        self._worker_pid: int | None = None
+        self._worker_generation: int | None = None
         #: Shared with the pool processes: the lock id the main holds now, 0 for none.
         self._shared: mmap.mmap | None = None
         _instances.add(self)
@@ -99,7 +100,7 @@ class ProcessLiveness:
         """
         if self._shared is None:
             self._shared = mmap.mmap(-1, 8)  # anonymous and shared: inherited by every fork
-        self._worker_pid = os.getpid()
+        self._worker_generation = forks.current
         held = self.lock_id(owner)
         struct.pack_into("q", self._shared, 0, held or 0)
         return held
@@ -119,7 +120,7 @@ class ProcessLiveness:
         """
         if not self.supported:
             return None
-        if self._worker_pid is not None and self._worker_pid != os.getpid():
+        if self._worker_generation is not None and self._worker_generation != forks.current:
             return self.worker_lock
         with self._lock:
             now = time.monotonic()

@@ -30,6 +30,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
+from celery_guard import forks
 from celery_guard.config import GuardConfig
 from celery_guard.errors import StoreError, StoreUnavailable
 from celery_guard.store.schema import db_epoch_now, metadata
@@ -63,6 +64,7 @@ class StoreEngine:
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._engine_pid: int | None = None
+        self._engine_generation: int | None = None
         self._schema_ready = False
         #: PostgreSQL: this process's connection for the per-delivery statements (see hot()).
         self.hot = HotConnection()
@@ -91,10 +93,10 @@ class StoreEngine:
     @property
     def engine(self) -> Engine:
         """This process's engine; a forked child builds its own instead of reusing the parent's."""
-        pid = os.getpid()
         engine = self._engine
-        if engine is not None and self._engine_pid == pid:
+        if engine is not None and self._engine_generation == forks.current:
             return engine
+        pid = os.getpid()
         with self._lock:
             if self._engine is not None and self._engine_pid != pid:
                 # Inherited across fork: drop the parent's pool without closing its sockets,
@@ -106,6 +108,7 @@ class StoreEngine:
             if self._engine is None:
                 self._engine = self._create_engine()
                 self._engine_pid = pid
+            self._engine_generation = forks.current
             return self._engine
 
     def reset_after_fork(self, budget: str | None = None) -> None:
@@ -247,13 +250,20 @@ class StoreEngine:
         if self.dialect_name != "postgresql" or self.budget == "main":
             # The main process keeps to its pool of one (docs/operations.md).
             return self.execute_single(statement, parameters)
-        engine = self.ready_engine()
+        engine = self._engine
+        if (
+            engine is None
+            or self._engine_generation != forks.current
+            or not (self._schema_ready or not self.config.create_tables)
+        ):
+            engine = self.ready_engine()
         sql, defaults = self._compiled(engine, statement)
         values = {**defaults, **parameters}
         hot = self.hot
         if hot.try_acquire():
             try:
-                return self._run_hot(engine, hot.connection(engine), statement, sql, values)
+                cursor = hot.cursor(engine)
+                return self._run_hot(engine, cursor.connection, statement, sql, values, cursor)
             except sa_exc.DBAPIError as exc:
                 if exc.connection_invalidated:
                     hot.drop()
@@ -334,9 +344,15 @@ class StoreEngine:
         engine = connection.engine
         sql, defaults = self._compiled(engine, statement)
         values = {**defaults, **parameters}
+        dbapi_connection = connection.connection.dbapi_connection
         try:
             return self._run_hot(
-                engine, connection.connection.dbapi_connection, statement, sql, values
+                engine,
+                dbapi_connection,
+                statement,
+                sql,
+                values,
+                self.hot.kept_cursor(dbapi_connection),
             )[1]
         except sa_exc.DBAPIError as exc:
             if exc.connection_invalidated:
@@ -362,20 +378,34 @@ class StoreEngine:
         self.observed(commit)
 
     def _run_hot(
-        self, engine: Engine, connection: Any, statement: Any, sql: str, values: dict[str, Any]
+        self,
+        engine: Engine,
+        connection: Any,
+        statement: Any,
+        sql: str,
+        values: dict[str, Any],
+        cursor: Any = None,
     ) -> Rows:
         """One statement on a psycopg connection (autocommit, or inside a task's transaction);
         driver errors re-raised as SQLAlchemy's, flagged when the connection is gone. The
         watchdog arms itself around the execute (the store engine's cursors are
-        :meth:`CallWatchdog.cursor_class`'s)."""
+        :meth:`CallWatchdog.cursor_class`'s). ``cursor``: the connection's kept cursor
+        (:meth:`HotConnection.cursor`); without it one is opened and closed for the statement.
+        """
+        own = cursor is None
         try:
-            with connection.cursor() as cursor:
+            if own:
+                cursor = connection.cursor()
+            try:
                 cursor.execute(sql, values)
                 rows: list[dict[str, Any]] = []
                 names = self._column_names(statement, cursor)
                 if names is not None:
                     rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
                 return rows, int(cursor.rowcount)
+            finally:
+                if own:
+                    cursor.close()
         except psycopg.Error as exc:
             error: Any = exc
             raise sa_exc.DBAPIError.instance(
@@ -414,26 +444,28 @@ class StoreEngine:
 
     def call(self, operation: Callable[[], T]) -> T:
         """Run a store operation, once more after a dropped connection; wrap driver errors."""
-        return self.observed(lambda: self._call_unobserved(operation))
+        return self.observed(operation, retry=True)
 
-    def observed(self, operation: Callable[[], T]) -> T:
+    def observed(self, operation: Callable[[], T], *, retry: bool = False) -> T:
         """Run ``operation``, telling :attr:`observer` (if any) how it went and how long it took.
 
         A store error is a failure; any other exception (Fenced: the store answered) is not
         counted at all. Calls made inside it (creating the tables on first use) are part of it.
+        ``retry``: run it as :meth:`call` does (:meth:`_call_unobserved`).
         """
         observer = self.observer
-        if observer is None or getattr(self._observing, "active", False):
-            return operation()
+        observing = self._observing
+        if observer is None or getattr(observing, "active", False):
+            return self._call_unobserved(operation) if retry else operation()
         started = time.monotonic()
-        self._observing.active = True
+        observing.active = True
         try:
-            value = operation()
+            value = self._call_unobserved(operation) if retry else operation()
         except StoreError as exc:
             _tell(observer, time.monotonic() - started, exc)
             raise
         finally:
-            self._observing.active = False
+            observing.active = False
         _tell(observer, time.monotonic() - started, None)
         return value
 
@@ -684,20 +716,41 @@ class HotConnection:
     """
 
     def __init__(self) -> None:
-        self._pid = os.getpid()
+        self._generation = forks.current
         self.lock = threading.Lock()
         self._connection: Any = None
         self._pooled: Any = None
+        self._cursor: Any = None
 
     def try_acquire(self) -> bool:
         """Take the hot connection for one statement; False while another thread has it."""
-        if self._pid != os.getpid():
+        if self._generation != forks.current:
             self.forget()
         return self.lock.acquire(blocking=False)
 
     def connection(self, engine: Engine) -> Any:
         """This process's hot psycopg connection (after :meth:`try_acquire`)."""
         return self.pooled(engine).dbapi_connection
+
+    def cursor(self, engine: Engine) -> Any:
+        """A cursor on the hot connection, kept with it (after :meth:`try_acquire`).
+
+        One cursor serves every claim and completion: psycopg cursors run any number of
+        statements one after another, and opening and closing one per statement was a tenth
+        of the store layer's Python calls. It goes with the connection (:meth:`drop`).
+        """
+        cursor = self._cursor
+        if cursor is not None and not self._connection.closed:
+            return cursor
+        cursor = self._cursor = self.pooled(engine).dbapi_connection.cursor()
+        return cursor
+
+    def kept_cursor(self, dbapi_connection: Any) -> Any:
+        """The kept cursor when ``dbapi_connection`` is the hot connection (lent to a body's
+        transaction, whose completion marker runs on it), else ``None``."""
+        if dbapi_connection is self._connection and dbapi_connection is not None:
+            return self._cursor
+        return None
 
     def pooled(self, engine: Engine) -> Any:
         """The detached pool proxy of the hot connection (after :meth:`try_acquire`)."""
@@ -717,6 +770,7 @@ class HotConnection:
                 raise
             self._connection = connection
             self._pooled = pooled
+            self._cursor = None
         return self._pooled
 
     def heard_from_server(self) -> bool:
@@ -733,21 +787,23 @@ class HotConnection:
     def drop(self) -> None:
         """Close and forget the connection (it failed); the next call opens a new one."""
         connection, self._connection, self._pooled = self._connection, None, None
+        self._cursor = None
         if connection is not None:
             with contextlib.suppress(Exception):
                 connection.close()
 
     def forget(self) -> None:
         """After fork: the parent's connection (and a lock it may have held) are not ours."""
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
+        if self._generation != forks.current:
+            self._generation = forks.current
             self.lock = threading.Lock()
             self._connection = None
             self._pooled = None
+            self._cursor = None
 
     def close(self) -> None:
         """Close this process's hot connection (dispose)."""
-        if self._pid != os.getpid():
+        if self._generation != forks.current:
             self.forget()
             return
         with self.lock:

@@ -22,41 +22,41 @@ from typing import Any
 import psycopg
 from sqlalchemy import Engine, event
 
+from celery_guard import forks
+
 logger = logging.getLogger("celery_guard.store")
 
 
 class CallWatchdog:
-    """Closes a connection's socket when one call on it runs ``seconds`` past its start."""
+    """Closes a connection's socket when one call on it runs ``seconds`` past its start.
+
+    Arming and disarming are one dict write each, with no lock: a dict's item assignment and
+    ``pop`` are atomic under the GIL, and the watchdog thread, the only other user, copies the
+    items in one step and removes a deadline only if it is still the one it found due (see
+    :meth:`_run`). Every claim and completion arms and disarms once.
+    """
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._lock = threading.Lock()
         self._deadlines: dict[int, float] = {}  # socket fd -> monotonic deadline
         self._thread: threading.Thread | None = None
-        self._pid: int | None = None
+        self._generation: int | None = None
 
     def arm(self, fd: int) -> None:
-        # Every claim and completion arms and disarms once, so both are a plain lock and a
-        # dict operation: the thread is never woken for a new deadline. Each deadline is
-        # "now + seconds", so one armed while the thread sleeps is never earlier than that
-        # sleep's end (see _run): the thread only wakes when something may be due.
-        if self._pid != os.getpid():
+        # The thread is never woken for a new deadline: each is "now + seconds", so one armed
+        # while the thread sleeps is never earlier than that sleep's end (see _run).
+        if self._generation != forks.current:
             self._start()
-        deadline = time.monotonic() + self.seconds
-        with self._lock:
-            self._deadlines[fd] = deadline
+        self._deadlines[fd] = time.monotonic() + self.seconds
 
     def disarm(self, fd: int) -> None:
-        with self._lock:
-            self._deadlines.pop(fd, None)
+        self._deadlines.pop(fd, None)
 
     def _start(self) -> None:
-        # Per process: a thread does not survive a fork, and a lock inherited from a parent
-        # whose thread held it at the fork would never be released here. (Two threads of a new
-        # process arming at once may start two watchdogs: harmless, they share the lock.)
-        self._lock = threading.Lock()
+        # Per process: a thread does not survive a fork. (Two threads of a new process arming
+        # at once may start two watchdogs: harmless, either shuts a due socket once.)
         self._deadlines = {}
-        self._pid = os.getpid()
+        self._generation = forks.current
         self._thread = threading.Thread(
             target=self._run, name="celery_guard-store-watchdog", daemon=True
         )
@@ -66,9 +66,13 @@ class CallWatchdog:
         """Arm the deadline for one call on ``dbapi_connection`` (a psycopg connection); the
         caller passes what it returns to :meth:`disarm` when the call ends (``None``: there is
         no socket to watch)."""
-        fd = _fileno(dbapi_connection)
-        if fd is not None:
-            self.arm(fd)
+        try:
+            fd = int(dbapi_connection.fileno())
+        except Exception:  # closed, or a driver without a socket
+            return None
+        if self._generation != forks.current:
+            self._start()
+        self._deadlines[fd] = time.monotonic() + self.seconds
         return fd
 
     def cursor_class(self) -> type[psycopg.Cursor[Any]]:
@@ -82,7 +86,7 @@ class CallWatchdog:
                     return super().execute(query, params, **kwargs)
                 finally:
                     if fd is not None:
-                        watchdog.disarm(fd)
+                        watchdog._deadlines.pop(fd, None)  # disarm(), inlined: every statement
 
             def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> None:
                 fd = watchdog.arm_connection(self.connection)
@@ -110,24 +114,22 @@ class CallWatchdog:
             dbapi_connection.cursor_factory = cursor_class
 
     def _run(self) -> None:
+        deadlines = self._deadlines  # this process's (``_start`` made it before the thread)
         while True:
             now = time.monotonic()
-            with self._lock:
-                for fd, due in list(self._deadlines.items()):
-                    if due <= now:
-                        del self._deadlines[fd]
-                        _shut(fd, self.seconds)
-                nearest = min(self._deadlines.values(), default=None)
+            # dict.copy() copies the table in C without running Python code, so no other
+            # thread changes it meanwhile: arm() and disarm() need no lock.
+            armed = deadlines.copy()
+            for fd, due in armed.items():
+                # Still the deadline found due, not a later call's on the same socket: a
+                # statement that ends in between is shut anyway, as it would be a moment later.
+                if due <= now and deadlines.get(fd) is due:
+                    deadlines.pop(fd, None)
+                    _shut(fd, self.seconds)
+            nearest = min((due for due in armed.values() if due > now), default=None)
             # With nothing armed, sleep one period: whatever is armed meanwhile is due no
             # earlier than the wake-up (arm adds "now + seconds").
             time.sleep(self.seconds if nearest is None else max(0.01, nearest - now))
-
-
-def _fileno(dbapi_connection: Any) -> int | None:
-    try:
-        return int(dbapi_connection.fileno())
-    except Exception:  # closed, or a driver without a socket
-        return None
 
 
 def _shut(fd: int, seconds: float) -> None:
