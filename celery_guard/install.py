@@ -444,6 +444,7 @@ def _connect_worker_signals(app: Celery, runtime: GuardRuntime) -> None:
         runtime.circuit.on_child_start()  # backpressure: count this child's store calls
 
     def on_worker_process_shutdown(**_: Any) -> None:
+        metrics.flush()  # the counts of this child's last deliveries (metrics.FLUSH_EVERY)
         runtime.heartbeat.stop()
         runtime.store.dispose()
 

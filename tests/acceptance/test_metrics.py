@@ -150,12 +150,14 @@ def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_c
         30,
         "a heartbeat of the held body",
     )
+    # A pool process writes its counts every metrics.FLUSH_EVERY seconds: this claim's are
+    # written before the kill, and must outlive the child.
+    scene.wait_for("celery_guard_lease_acquisitions_total", 1, task="shop.gated", reason="new")
     worker.kill_child(child)
     wait_until(lambda: not pid_alive(child), 10, "the child to die")
     open_gates(scene.env["CG_MARKER_DIR"], tag, 2)  # the owner that takes the key over
     assert long_result.get(timeout=60)["pid"] != child
 
-    samples = scene.scrape()
     outcomes = {
         ("shop.record", "completed"): 1,
         ("shop.record", "duplicate_prevented"): 2,
@@ -165,6 +167,12 @@ def test_counters_equal_the_scenario_summed_over_children_and_survive_a_killed_c
         ("shop.reject_order", "dead_lettered"): 1,
         ("shop.gated", "completed"): 1,
     }
+    # Each pool process writes its counts within metrics.FLUSH_EVERY seconds.
+    for (task, outcome), expected in outcomes.items():
+        if expected:
+            scene.wait_for("celery_guard_tasks_total", expected, task=task, outcome=outcome)
+    scene.wait_for("celery_guard_task_duration_seconds_count", 3, outcome="completed")
+    samples = scene.scrape()
     for (task, outcome), expected in outcomes.items():
         got = value(samples, "celery_guard_tasks_total", task=task, outcome=outcome)
         assert got == expected, (task, outcome, got)
@@ -223,6 +231,8 @@ def test_a_backlog_shows_in_queue_depth_oldest_age_and_queue_lag(scene: Scene) -
             open_gates(scene.env["CG_MARKER_DIR"], blocker, 1)
     for result in blockers + waiting:
         result.get(timeout=60)
+    # Each pool process writes its observations within metrics.FLUSH_EVERY seconds.
+    scene.wait_for("celery_guard_queue_lag_seconds_count", 4, task="shop.record")
     samples = scene.scrape()
     lag_count = value(samples, "celery_guard_queue_lag_seconds_count", task="shop.record")
     under_a_second = value(
@@ -338,6 +348,12 @@ def test_metrics_are_recorded_only_by_a_worker_that_serves_them(
     scene.workers.append(worker)
     tag = uuid.uuid4().hex[:10]
     assert scene.send("shop.record", f"off-{tag}").get(timeout=30)["tag"] == f"off-{tag}"
+    if served:
+        # The claim and the completion at least, counted as they were made.
+        assert value(scene.scrape(), "celery_guard_store_calls_total", result="ok") >= 2
+    # A warm shutdown: the pool process writes what it has recorded as it exits (it would
+    # within metrics.FLUSH_EVERY seconds anyway), so the files now hold all there is.
+    worker.stop()
     # No pool process writes a gauge per delivery, served or not: the main process counts the
     # guarded tasks its pool executes (the heartbeat row's and the scrape's running count).
     samples = recorded(directory)
@@ -348,7 +364,5 @@ def test_metrics_are_recorded_only_by_a_worker_that_serves_them(
     assert not any(name == "celery_guard_store_calls_total" for name, _ in samples)
     if served:
         assert completed == 1
-        # The claim and the completion at least, counted as they were made.
-        assert value(scene.scrape(), "celery_guard_store_calls_total", result="ok") >= 2
     else:
         assert completed == 0
