@@ -143,12 +143,14 @@ class Circuit:
         if not self._recording or getattr(self._local, "quiet", False):
             return
         block = self.block
+        told = bool(signals.store_call.receivers)  # else nobody reads the untold counts
         with self._lock:
-            self._untold[0 if ok else 2 if timed_out else 1] += 1
             if block is not None:
                 block.add(self._slot, failed=not ok, timed_out=timed_out, seconds=seconds)
-            due = time.monotonic() - self._told_at >= TELL_EVERY
-        if due:
+            if told:
+                self._untold[0 if ok else 2 if timed_out else 1] += 1
+                told = time.monotonic() - self._told_at >= TELL_EVERY
+        if told:
             self.tell()
 
     def tell(self) -> None:
@@ -161,12 +163,13 @@ class Circuit:
         celery_guard's metrics are not a receiver (they read :meth:`store_call_totals`), so
         with no receiver of the user's nothing is sent.
         """
-        if not signals.store_call.receivers:
-            # Nobody to tell: forget the counts (one counted meanwhile is lost to nobody).
-            self._untold = [0, 0, 0]
-            self._told_at = time.monotonic()
-            return
         untold = self._untold
+        if not signals.store_call.receivers:
+            # Nobody to tell: forget what was counted before the last receiver went (record()
+            # counts nothing meanwhile).
+            if untold[0] or untold[1] or untold[2]:
+                self._untold = [0, 0, 0]
+            return
         if not (untold[0] or untold[1] or untold[2]):
             return  # read without the lock: a call counted meanwhile is told next time
         with self._lock:
