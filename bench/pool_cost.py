@@ -82,6 +82,11 @@ def main() -> None:
         "--kinds", default=",".join(KINDS), help=f"tasks to run, of {','.join(KINDS)}"
     )
     parser.add_argument("--settings", choices=("durable", "fast"), default="durable")
+    parser.add_argument(
+        "--guard-conf",
+        default="",
+        help='celery_guard settings for the workers, as JSON (\'{"guard_metrics_port": null}\')',
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown file to write to")
     args = parser.parse_args()
     if not 0 < args.first < args.last:
@@ -106,7 +111,7 @@ def main() -> None:
             "BENCH_BROKER_URL": redis.url_for(0),
             "BENCH_REDIS_URL": redis.url_for(1),
             "BENCH_STORE_URL": postgres.url,
-            "BENCH_GUARD_CONF": "",
+            "BENCH_GUARD_CONF": args.guard_conf,
             "BENCH_PROBE_FROM": str(args.first),
             "BENCH_PROBE_TO": str(args.last),
         }
