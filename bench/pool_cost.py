@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument(
         "--guard-conf",
         default="",
-        help='celery_guard settings for the workers, as JSON (\'{"guard_metrics_port": null}\')',
+        help="celery_guard settings for the workers, as JSON ('{\"guard_metrics_port\": null}')",
     )
     parser.add_argument("--output", type=Path, default=None, help="markdown file to write to")
     args = parser.parse_args()
