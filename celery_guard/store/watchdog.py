@@ -42,13 +42,6 @@ class CallWatchdog:
         self._thread: threading.Thread | None = None
         self._generation: int | None = None
 
-    def arm(self, fd: int) -> None:
-        # The thread is never woken for a new deadline: each is "now + seconds", so one armed
-        # while the thread sleeps is never earlier than that sleep's end (see _run).
-        if self._generation != forks.current:
-            self._start()
-        self._deadlines[fd] = time.monotonic() + self.seconds
-
     def disarm(self, fd: int) -> None:
         self._deadlines.pop(fd, None)
 
@@ -72,6 +65,8 @@ class CallWatchdog:
             return None
         if self._generation != forks.current:
             self._start()
+        # The thread is never woken for a new deadline: each is "now + seconds", so one armed
+        # while the thread sleeps is never earlier than that sleep's end (see _run).
         self._deadlines[fd] = time.monotonic() + self.seconds
         return fd
 
@@ -128,7 +123,7 @@ class CallWatchdog:
                     _shut(fd, self.seconds)
             nearest = min((due for due in armed.values() if due > now), default=None)
             # With nothing armed, sleep one period: whatever is armed meanwhile is due no
-            # earlier than the wake-up (arm adds "now + seconds").
+            # earlier than the wake-up (arm_connection adds "now + seconds").
             time.sleep(self.seconds if nearest is None else max(0.01, nearest - now))
 
 
