@@ -113,7 +113,7 @@ class CallWatchdog:
         while True:
             now = time.monotonic()
             # dict.copy() copies the table in C without running Python code, so no other
-            # thread changes it meanwhile: arm() and disarm() need no lock.
+            # thread changes it meanwhile: arm_connection() and disarm() need no lock.
             armed = deadlines.copy()
             for fd, due in armed.items():
                 # Still the deadline found due, not a later call's on the same socket: a
