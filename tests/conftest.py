@@ -13,7 +13,33 @@ import pytest
 
 from celery_guard import GuardConfig
 from celery_guard.store.sql import SqlStore
+from tests.rig import procs
 from tests.rig.servers import PgBouncerServer, PostgresServer, RabbitMQServer, RedisServer
+from tests.rig.workers import WorkerProcess
+
+#: Lines of each live worker's log attached to a failed test's report.
+WORKER_LOG_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries the log tail of every worker still running.
+
+    Workers are shared by many tests and their logs are deleted with them: without this, a
+    failure in CI shows what the client saw and nothing of why a worker did not answer.
+    """
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "setup" or not report.failed:
+        return
+    for managed in procs.registered():
+        if isinstance(managed, WorkerProcess) and managed.is_alive():
+            report.sections.append(
+                (
+                    f"worker {managed.hostname} (pid {managed.pid}) log tail",
+                    procs.log_tail(managed.log_path, WORKER_LOG_LINES),
+                )
+            )
 
 
 @pytest.fixture(scope="session")
