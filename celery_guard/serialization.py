@@ -7,6 +7,7 @@ result returned from the store reads the same as one the body returned through t
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 from celery.result import ResultBase, result_from_tuple
@@ -18,6 +19,9 @@ from kombu.utils.json import loads as _kombu_loads
 
 #: kombu's encoder with the canonical options, built once: ``json.dumps`` would build one per
 #: call, and the hot path encodes every argument of every delivery.
+#: The string encoder json uses without ensure_ascii (its C version where there is one), for
+#: strings inside a container and alone alike: kombu's encoder only adds a ``default``.
+_encode_string = json.encoder.encode_basestring
 _CANONICAL = JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -30,6 +34,11 @@ def dumps(value: Any, *, canonical: bool = False) -> str:
     if canonical:
         return str(_CANONICAL.encode(value))
     return str(_kombu_dumps(value))  # type: ignore[no-untyped-call]
+
+
+def json_string(text: str) -> str:
+    """``text`` as a JSON string, exactly as :func:`dumps` writes it (canonical or not)."""
+    return _encode_string(text)
 
 
 def loads(text: str) -> Any:

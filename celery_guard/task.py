@@ -440,6 +440,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         progress_timeout = self.progress_timeout
         deferrals = int(headers.get(HEADER_DEFERRALS) or 0)
         hard_limit = (request.timelimit or (None, None))[0] or self.time_limit
+        results = self._results
         return Delivery(
             task_name=self.name,
             key=key,
@@ -466,8 +467,8 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 request.retries or deferrals or (request.delivery_info or {}).get("redelivered")
             ),
             due_at=_due_at(request, headers),
-            encode_result=self._results.dumps,
-            decode_result=self._results.loads,
+            encode_result=results.dumps,
+            decode_result=results.loads,
         )
 
     @property

@@ -33,6 +33,7 @@ from sqlalchemy.pool import NullPool
 from celery_guard import forks
 from celery_guard.config import GuardConfig
 from celery_guard.errors import StoreError, StoreUnavailable
+from celery_guard.store.prepared import PreparedStatements
 from celery_guard.store.schema import db_epoch_now, metadata
 from celery_guard.store.watchdog import CallWatchdog
 
@@ -75,6 +76,10 @@ class StoreEngine:
         self._names_cache: dict[int, list[str]] = {}
         #: PostgreSQL: closes a call's connection when the server never answers (watchdog.py).
         self.watchdog = CallWatchdog(config.store_timeout + max(1.0, config.store_timeout / 2))
+        # Behind a transaction pooler a prepared statement would not outlive the transaction.
+        self.prepared = PreparedStatements(
+            self.watchdog, prepare=config.store_pooling != "transaction"
+        )
         #: How this process may use connections (docs/operations.md, "The connection budget"):
         #: ``"process"`` (the default: a hot connection and a pool), ``"child"`` (a prefork pool
         #: process: the hot connection carries everything, including the body's transaction,
@@ -394,6 +399,9 @@ class StoreEngine:
         """
         own = cursor is None
         try:
+            ran = self.prepared.run(connection, sql, values)
+            if ran is not None:
+                return ran
             if own:
                 cursor = connection.cursor()
             try:

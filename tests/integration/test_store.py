@@ -289,7 +289,8 @@ def test_concurrent_claims_have_exactly_one_winner(store: SqlStore) -> None:
 def test_a_claim_is_one_statement_on_postgresql_unless_a_key_thought_new_exists(
     pg_url: str,
 ) -> None:
-    """Counted at the driver: the claim and completion skip SQLAlchemy's execution events. A
+    """Counted at the driver (its cursor, or libpq's calls past it): the claim and completion
+    skip SQLAlchemy's execution events. A
     key thought new is inserted; if it exists after all, the upsert follows (two statements);
     a key thought to exist (a retry) goes to the upsert at once."""
     store = SqlStore(GuardConfig(store_url=pg_url))
@@ -304,6 +305,17 @@ def test_a_claim_is_one_statement_on_postgresql_unless_a_key_thought_new_exists(
         dbapi_connection.cursor_factory = CountingCursor
 
     event.listen(store.engine, "connect", count_on)
+    # The hot statements go to libpq past the cursor (celery_guard/store/prepared.py).
+    prepared = store.db.prepared
+    run_prepared = prepared.run
+
+    def counting_run(connection: Any, sql: str, values: dict[str, Any]) -> Any:
+        ran = run_prepared(connection, sql, values)
+        if ran is not None:
+            statements.append(sql)
+        return ran
+
+    prepared.run = counting_run  # type: ignore[method-assign]
     store.ensure_schema()
     statements.clear()
     try:

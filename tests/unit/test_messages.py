@@ -29,17 +29,23 @@ def request(**fields: object) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**base, **fields})
 
 
-def whole(req: types.SimpleNamespace, args: list[object], kwargs: dict[str, object]) -> str:
+def whole(
+    req: types.SimpleNamespace,
+    args: list[object],
+    kwargs: dict[str, object],
+    key: str = "order:1",
+    task: str = "shop.order",
+) -> str:
     """The message as one canonical JSON pass over the whole dict writes it."""
     message: dict[str, object] = {
-        "task": "shop.order",
+        "task": task,
         "id": req.id,
         "args": args,
         "kwargs": kwargs,
-        "headers": {HEADER_KEY: "order:1", HEADER_KEY_SOURCE: "option"},
-        "exchange": "",
-        "routing_key": "orders",
-        "priority": 3,
+        "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: "option"},
+        "exchange": req.delivery_info.get("exchange"),
+        "routing_key": req.delivery_info.get("routing_key"),
+        "priority": req.delivery_info.get("priority"),
     }
     workflow = messages._workflow(lambda name: getattr(req, name, None))
     if workflow:
@@ -65,6 +71,27 @@ def test_the_spliced_message_is_the_whole_message_canonical_json(
     text = messages.from_request("shop.order", req, payload, "order:1", KeySource.OPTION)
     assert text == whole(req, args, kwargs)
     assert ("workflow" in serialization.loads(text)) is chained
+
+
+@given(
+    names=st.lists(st.text(), min_size=4, max_size=4),
+    exchange=st.text() | st.none(),
+    routing_key=st.text() | st.none(),
+    priority=st.integers() | st.none() | st.booleans() | st.floats(allow_nan=False),
+)
+def test_the_delivery_fields_are_written_as_the_encoder_writes_them(
+    names: list[str], exchange: str | None, routing_key: str | None, priority: object
+) -> None:
+    """Quotes, control characters, non-ASCII text, None and numbers of every kind: the
+    message's own fields come out as one canonical JSON pass writes them."""
+    task, task_id, key, arg = names
+    req = request(
+        id=task_id,
+        delivery_info={"exchange": exchange, "routing_key": routing_key, "priority": priority},
+    )
+    payload = encode_payload(task, body, [arg], {})
+    text = messages.from_request(task, req, payload, key, KeySource.OPTION)
+    assert text == whole(req, [arg], {}, key=key, task=task)
 
 
 def test_a_workflow_json_cannot_hold_is_left_out_as_before() -> None:
