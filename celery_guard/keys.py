@@ -62,6 +62,10 @@ class KeySource(str, enum.Enum):
     TASK_ID = "task_id"
 
 
+#: The sources by their header values: a dict lookup, not the enum's call, per delivery.
+_KEY_SOURCES: Final = {source.value: source for source in KeySource}
+
+
 def resolve_key(
     header_key: object,
     header_source: object,
@@ -76,7 +80,9 @@ def resolve_key(
     :data:`BY_ARGUMENTS`, :class:`UnserializableArguments`) when the key cannot be used.
     """
     if header_key is not None:
-        source = KeySource(header_source or KeySource.CALL.value)
+        source = _KEY_SOURCES.get(header_source or "call")  # type: ignore[call-overload]
+        if source is None:
+            source = KeySource(header_source)  # raises the ValueError that names it
         return validate_key(header_key), source
     key = from_option()
     if key is not None:

@@ -149,13 +149,14 @@ def from_request(
         if value is not None and value != []:
             workflow = _workflow(lambda field: getattr(request, field, None))
             break
-    head_fields = _scalars(exchange, key, source.value, task_id)
+    head_fields = _scalars(exchange, key, task_id)
     tail_fields = _scalars(priority, routing_key, task_name)
     if head_fields is not None and tail_fields is not None and not workflow:
         # A message outside any canvas, of plain fields: written as the encoder would
         # (sorted keys, no spaces), without its per-call setup (a tenth of a no-op task's
         # own Python calls).
-        exchange_text, key_text, source_text, id_text = head_fields
+        exchange_text, key_text, id_text = head_fields
+        source_text = _SOURCE_TEXTS[source]
         priority_text, routing_key_text, task_text = tail_fields
         return (
             f'{{"args":{payload.args_json},"exchange":{exchange_text},'
@@ -187,6 +188,7 @@ def from_request(
 #: The header names as canonical JSON writes them (HEADER_KEY sorts before HEADER_KEY_SOURCE).
 _HEADER_KEY_TEXT: Final = json_string(HEADER_KEY)
 _HEADER_SOURCE_TEXT: Final = json_string(HEADER_KEY_SOURCE)
+_SOURCE_TEXTS: Final = {source: json_string(source.value) for source in KeySource}
 
 
 def _scalars(*values: Any) -> list[str] | None:

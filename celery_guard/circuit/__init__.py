@@ -238,7 +238,7 @@ class Circuit:
         if (
             block is None
             or not self.config.circuit_enabled
-            or block.state is not CircuitState.OPEN
+            or not block.is_open
             or getattr(task.request, "is_eager", False)
         ):
             return

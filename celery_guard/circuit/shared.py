@@ -38,6 +38,7 @@ SLOTS = 256
 
 _HEADER_WORDS = 8
 _STATE = 1
+_OPEN = int(CircuitState.OPEN)
 _OPENED = 2
 _CONCURRENCY = 3
 
@@ -70,6 +71,12 @@ class SharedBlock:
     @state.setter
     def state(self, state: CircuitState) -> None:
         self._words[_STATE] = int(state)
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the state is OPEN: :attr:`state` without building the enum (every delivery
+        asks)."""
+        return bool(self._words[_STATE] == _OPEN)
 
     @property
     def opened(self) -> int:

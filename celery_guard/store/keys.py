@@ -336,6 +336,10 @@ class Keys:
         return self.db.now()
 
 
+#: What ``claim_new`` writes as the claim reason (read once: an enum's ``value`` is a descriptor).
+_NEW = ClaimReason.NEW.value
+
+
 def _new_record(request: ClaimRequest, claim_id: str, row: dict[str, Any]) -> KeyRecord:
     """The row ``claim_new`` inserted: the request's values, and the database's token and
     times (what the upsert would have returned for it)."""
@@ -349,7 +353,7 @@ def _new_record(request: ClaimRequest, claim_id: str, row: dict[str, Any]) -> Ke
         owner=request.owner,
         owner_lock=request.owner_lock,
         claim_id=claim_id,
-        claim_reason=ClaimReason.NEW.value,
+        claim_reason=_NEW,
         fingerprint=request.fingerprint,
         message=None,
         result=None,
