@@ -52,6 +52,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30, help="rows per table (30)")
     parser.add_argument("--output", default=None, help="where to write the collapsed stacks")
     parser.add_argument(
+        "--main",
+        action="store_true",
+        help="sample the worker's main process (every thread) instead of its pool processes",
+    )
+    parser.add_argument(
         "--all-samples",
         action="store_true",
         help="sample every moment, not only while the process holds the GIL (py-spy --gil)",
@@ -103,7 +108,7 @@ def main() -> None:
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
-                for pid in worker.child_pids()
+                for pid in ([worker.pid] if args.main else worker.child_pids())
             ]
             for spy in spies:
                 spy.wait(timeout=args.seconds + 60)
@@ -123,40 +128,45 @@ def main() -> None:
         Path(args.output).write_text(
             "".join(f"{stack} {count}\n" for stack, count in stacks.most_common())
         )
-    report(stacks, args.top, f"{args.task}, {done} tasks done, {args.settings} server")
+    title = f"{args.task}, {done} tasks done, {args.settings} server"
+    report(stacks, args.top, title, frame=None if args.main else TASK_FRAME)
 
 
 #: The pool process's frame that runs one task: shares are of the samples below it.
 TASK_FRAME = "build_tracer.<locals>.trace_task (trace.py)"
 
 
-def report(stacks: collections.Counter[str], top: int, title: str) -> None:
+def report(
+    stacks: collections.Counter[str], top: int, title: str, frame: str | None = TASK_FRAME
+) -> None:
     """Inclusive (a function anywhere on the stack) and exclusive (the leaf) shares of the
-    samples taken while a task ran (below Celery's ``trace_task``); the pool's own loop, the
-    result handling and the heartbeat thread are the rest."""
+    samples taken below ``frame``: by default while a task ran (below Celery's
+    ``trace_task``; the pool's own loop, the result handling and the heartbeat thread are the
+    rest); ``None``: every sample (the main process, all its threads)."""
     in_task = {
         stack: count
         for stack, count in stacks.items()
-        if any(_short(frame) == TASK_FRAME for frame in stack.split(";"))
+        if frame is None or any(_short(each) == frame for each in stack.split(";"))
     }
     print(
         f"# {title}: {sum(stacks.values())} samples, "
-        f"{sum(in_task.values())} of them in {TASK_FRAME}"
+        f"{sum(in_task.values())} of them in {frame or 'any frame'}"
     )
     stacks = collections.Counter(in_task)
     total = sum(stacks.values()) or 1
     inclusive: collections.Counter[str] = collections.Counter()
     exclusive: collections.Counter[str] = collections.Counter()
     for stack, count in stacks.items():
-        frames = [_short(frame) for frame in stack.split(";")]
-        frames = frames[frames.index(TASK_FRAME) :]
-        for frame in set(frames):
-            inclusive[frame] += count
+        frames = [_short(each) for each in stack.split(";")]
+        if frame is not None:
+            frames = frames[frames.index(frame) :]
+        for name in set(frames):
+            inclusive[name] += count
         exclusive[frames[-1]] += count
     for name, table in (("inclusive", inclusive), ("exclusive", exclusive)):
         print(f"\n| {name} | share |\n|---|---:|")
-        for frame, count in table.most_common(top):
-            print(f"| `{frame}` | {100 * count / total:.1f}% |")
+        for name, count in table.most_common(top):
+            print(f"| `{name}` | {100 * count / total:.1f}% |")
 
 
 def _short(frame: str) -> str:
