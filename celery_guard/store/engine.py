@@ -247,7 +247,8 @@ class StoreEngine:
         building result metadata for 20-odd columns, switching the connection to autocommit
         and back through the dialect): the SQL is compiled once per statement and runs on a
         psycopg connection kept in autocommit for them (one per process, :class:`HotConnection`),
-        which psycopg prepares server-side after a few executions. The pool's checkout, reset
+        prepared there at first use and sent through libpq past psycopg's cursor
+        (:mod:`celery_guard.store.prepared`). The pool's checkout, reset
         and checkin and the autocommit switches were a third of what remained of celery_guard's
         own CPU per task (bench/overhead.py). Errors are re-raised as SQLAlchemy's, so
         :meth:`call` treats both paths alike.
@@ -396,6 +397,7 @@ class StoreEngine:
         watchdog arms itself around the execute (the store engine's cursors are
         :meth:`CallWatchdog.cursor_class`'s). ``cursor``: the connection's kept cursor
         (:meth:`HotConnection.cursor`); without it one is opened and closed for the statement.
+        Both serve only what :attr:`prepared` leaves to the cursor (its module docstring).
         """
         own = cursor is None
         try:

@@ -14,8 +14,9 @@ Parameters are typed as psycopg would send them: text as *unknown* (the server i
 the statement), ``int`` as ``bigint``, ``float`` as ``double precision``, ``bool`` as
 ``boolean``, ``None`` as an untyped NULL; a statement is prepared once for each combination
 it meets. Anything else (a value of another type, a statement the server cannot type, a
-connection in pipeline mode or one whose transaction has not begun) answers ``None``, and the
-caller runs it through the cursor as before. With a transaction pooler (``guard_store_pooling =
+connection in pipeline mode, a statement inside a transaction: the completion marker in a
+body's ``transaction()``) answers ``None``, and the caller runs it through the cursor as
+before. With a transaction pooler (``guard_store_pooling =
 'transaction'``) nothing is prepared: each statement goes as one unnamed ``PQexecParams``.
 
 libpq's calls block with the GIL released; the store's watchdog (:mod:`.watchdog`) bounds them
@@ -141,10 +142,17 @@ class PreparedStatements:
         pgconn = connection.pgconn
         if pgconn.status != pq.ConnStatus.OK:
             raise psycopg.OperationalError("the connection is closed")
-        if pgconn.pipeline_status != pq.PipelineStatus.OFF or (
-            not connection.autocommit and pgconn.transaction_status == pq.TransactionStatus.IDLE
+        if (
+            pgconn.transaction_status != pq.TransactionStatus.IDLE
+            or pgconn.pipeline_status != pq.PipelineStatus.OFF
+            or not connection.autocommit
         ):
-            return None  # psycopg's cursor sends BEGIN first; this path would not
+            # Autocommitted statements only. psycopg sends DEALLOCATE ALL after a ROLLBACK
+            # once it has prepared statements of its own on the connection (its prepare
+            # manager), which drops ours too: in autocommit the failed execution changed
+            # nothing and is sent again after preparing anew; inside a transaction it would
+            # have aborted the body's writes. psycopg's cursor runs those, as it always did.
+            return None
         session = self._last
         if session is None or session.connection is not connection:
             # Kept on the connection, so it goes when the connection does (a cycle the

@@ -114,20 +114,44 @@ def test_a_statement_the_server_cannot_type_goes_through_the_cursor(
     assert _prepared_names(connection) == []
 
 
-def test_a_transaction_not_yet_begun_is_left_to_the_cursor_then_joined(
+def test_inside_a_transaction_the_cursor_runs_the_statement(
     connection: psycopg.Connection[Any],
 ) -> None:
-    """psycopg's cursor sends BEGIN before a transaction's first statement; libpq's calls
-    would not, so the path joins a transaction only once it has begun."""
+    """A statement inside a transaction is left to psycopg's cursor (which also sends the
+    BEGIN a transaction not yet begun needs): a prepared statement dropped behind our back
+    would abort the transaction there, with the body's writes."""
     runner = PreparedStatements(CallWatchdog(5.0))
     values = {"key": "i", "token": 1, "ttl": 1.0, "note": None, "flag": None, "amount": None}
     connection.autocommit = False
-    assert runner.run(connection, INSERT, values) is None
+    assert runner.run(connection, INSERT, values) is None  # not begun
     connection.execute("SELECT 1")  # BEGIN
-    assert runner.run(connection, INSERT, {**values, "key": "j"}) is not None
+    assert runner.run(connection, INSERT, {**values, "key": "j"}) is None  # in a transaction
     connection.rollback()
     connection.autocommit = True
-    assert _through_cursor(connection, "SELECT key FROM prepared_probe", {}) == ([], 0)
+    assert _prepared_names(connection) == []
+
+
+def test_psycopgs_deallocate_all_after_a_rollback_is_survived(pg_url: str) -> None:
+    """psycopg drops every prepared statement of the session (DEALLOCATE ALL) when a
+    connection on which it prepared its own rolls back: the next autocommitted statement
+    prepares again and runs once."""
+    dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
+        conn.execute(TABLE)
+        runner = PreparedStatements(CallWatchdog(5.0))
+        values = {"key": "m", "token": 1, "ttl": 1.0, "note": None, "flag": None}
+        assert runner.run(conn, INSERT, {**values, "amount": None}) is not None
+        assert len(_prepared_names(conn)) == 1
+        conn.autocommit = False
+        conn.execute("SELECT count(*) FROM prepared_probe WHERE key = %s", ("m",))  # psycopg's
+        conn.rollback()
+        conn.autocommit = True
+        assert _prepared_names(conn) == []  # ours went with psycopg's
+        ran = runner.run(conn, INSERT, {**values, "key": "n", "amount": None})
+        assert ran is not None and ran[1] == 1
+        assert len(_prepared_names(conn)) == 1
+        rows = conn.execute("SELECT key FROM prepared_probe ORDER BY key").fetchall()
+        assert [row[0] for row in rows] == ["m", "n"]
 
 
 def test_a_closed_connection_raises_what_the_cursor_would(
