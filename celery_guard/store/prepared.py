@@ -1,22 +1,20 @@
 """The per-delivery statements through libpq's own calls, under psycopg's connection.
 
-A claim and a completion are two statements per task, always the same two. psycopg's cursor
+A claim and a completion are two statements per task, always the same few. psycopg's cursor
 runs each through several layers of Python on every execution (the query's conversion and
 its parameters' reordering, the prepare manager, the result set's bookkeeping) before libpq
-sends it: about half of a statement's client CPU on the hot path, 25 to 35 µs of it in a hot
-loop (``cursor.execute`` 51-66 µs against ``pq.exec_prepared`` 26-43 µs per claim on this
-repository's benchmark machine). :class:`PreparedStatements` sends them through the connection's
-``pgconn`` (``psycopg.pq``, psycopg's public libpq wrapper) instead: each statement is prepared
-once per connection under its own name, executed with its parameters as text, and its rows
-loaded by psycopg's own ``Transformer``, so the values read back are the ones the cursor gave.
+sends it. :class:`PreparedStatements` sends them through the connection's ``pgconn``
+(``psycopg.pq``, psycopg's public libpq wrapper) instead: each statement is prepared once per
+connection under its own name, executed with its parameters as text, and its rows loaded by
+psycopg's own ``Transformer``, so the values read back are the ones the cursor gave. What it
+saves per task: docs/performance.md, "The hot statements go to libpq past the cursor".
 
-Parameters are typed as psycopg would send them: text as *unknown* (the server infers it from
-the statement), ``int`` as ``bigint``, ``float`` as ``double precision``, ``bool`` as
-``boolean``, ``None`` as an untyped NULL; a statement is prepared once for each combination
-it meets. Anything else (a value of another type, a statement the server cannot type, a
-connection in pipeline mode, a statement inside a transaction: the completion marker in a
-body's ``transaction()``) answers ``None``, and the caller runs it through the cursor as
-before. With a transaction pooler (``guard_store_pooling =
+The parameters are adapted by psycopg itself (``Transformer.dump_sequence``, as text): the
+same texts and types its cursor sends, so a statement is prepared once for each combination of
+types it meets, as psycopg's prepare manager does. What this path does not run (a statement
+the server cannot prepare, a connection in pipeline mode, a statement inside a transaction: the
+completion marker in a body's ``transaction()``) answers ``None``, and the caller runs it
+through the cursor as before. With a transaction pooler (``guard_store_pooling =
 'transaction'``) nothing is prepared: each statement goes as one unnamed ``PQexecParams``.
 
 libpq's calls block with the GIL released; the store's watchdog (:mod:`.watchdog`) bounds them
@@ -25,12 +23,14 @@ as it bounds the cursor's, by shutting the socket at the deadline.
 
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from psycopg import adapt, pq
+from psycopg.abc import Buffer
+from psycopg.adapt import PyFormat
 from psycopg.errors import error_from_result
 
 from celery_guard.store.watchdog import CallWatchdog
@@ -39,12 +39,7 @@ from celery_guard.store.watchdog import CallWatchdog
 Rows = tuple[list[dict[str, Any]], int]
 
 _PLACEHOLDER = re.compile(rb"%%|%\((\w+)\)s|%")
-_INT8 = 20
-_FLOAT8 = 701
-_BOOL = 16
-_UNTYPED = 0
 _SESSION_ATTRIBUTE = "_celery_guard_prepared"
-_INT8_RANGE = range(-(2**63), 2**63)
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _UNDEFINED_PREPARED_STATEMENT = b"26000"
 #: indeterminate_datatype, datatype_mismatch, undefined_function (an operator for "unknown").
@@ -72,34 +67,15 @@ def convert(sql: str) -> tuple[bytes, tuple[str, ...]]:
     return _PLACEHOLDER.sub(number, sql.encode()), tuple(names)
 
 
-def _text(value: Any, encoding: str) -> tuple[bytes | None, int]:
-    """A parameter's text and type, as psycopg's dumpers would send it."""
-    kind = type(value)
-    if value is None:
-        return None, _UNTYPED
-    if kind is str:
-        return value.encode(encoding), _UNTYPED
-    if kind is int:
-        if value not in _INT8_RANGE:
-            raise _Unsupported("an integer beyond bigint")
-        return b"%d" % value, _INT8
-    if kind is float:
-        if not math.isfinite(value):
-            raise _Unsupported("a float that is not finite")
-        return repr(value).encode(), _FLOAT8
-    if kind is bool:
-        return (b"t" if value else b"f"), _BOOL
-    raise _Unsupported(f"a parameter of type {kind.__name__}")
-
-
 class _Statement:
     """One statement's libpq form, and its prepared names by parameter types."""
 
-    __slots__ = ("columns", "names", "prepared", "sql")
+    __slots__ = ("columns", "formats", "names", "prepared", "sql")
 
     def __init__(self, sql: bytes, names: tuple[str, ...]) -> None:
         self.sql = sql
         self.names = names
+        self.formats = [PyFormat.TEXT] * len(names)
         #: Parameter types -> the name it is prepared under on this connection.
         self.prepared: dict[tuple[int, ...], bytes] = {}
         self.columns: list[str] | None = None
@@ -173,26 +149,14 @@ class PreparedStatements:
             statements[sql] = statement
         if statement is None:
             return None
-        encoding = session.encoding
-        params: list[bytes | None] = []
-        kinds: list[int] = []
         try:
-            # Inline for the commonest types (a claim has nine parameters): _text for the rest.
-            for name in statement.names:
-                value = values[name]
-                if type(value) is str:
-                    params.append(value.encode(encoding))
-                    kinds.append(_UNTYPED)
-                elif value is None:
-                    params.append(None)
-                    kinds.append(_UNTYPED)
-                else:
-                    text, kind = _text(value, encoding)
-                    params.append(text)
-                    kinds.append(kind)
-        except (_Unsupported, KeyError, UnicodeEncodeError):
-            return None
-        types = tuple(kinds)
+            arguments = [values[name] for name in statement.names]
+        except KeyError:
+            return None  # a parameter missing: the cursor says which
+        # psycopg's own adaptation, in C: the texts and types its cursor would send.
+        transformer = session.transformer
+        params = transformer.dump_sequence(arguments, statement.formats)
+        types = tuple(transformer.types or ())
         fd = self.watchdog.arm_connection(connection)
         try:
             result = self._execute(pgconn, session, sql, statement, params, types)
@@ -209,7 +173,7 @@ class PreparedStatements:
         session: _Session,
         sql: str,
         statement: _Statement,
-        params: list[bytes | None],
+        params: Sequence[Buffer | None],
         types: tuple[int, ...],
     ) -> Any:
         if not self.prepare:

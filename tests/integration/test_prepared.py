@@ -76,24 +76,31 @@ def test_rows_and_counts_are_the_ones_the_cursor_gives(
     assert len(_prepared_names(connection)) == 3
 
 
-def test_a_value_of_another_type_goes_through_the_cursor(
+def test_values_are_adapted_as_psycopg_adapts_them(
     connection: psycopg.Connection[Any],
 ) -> None:
+    """psycopg's own adaptation: a Decimal, an integer beyond bigint (numeric), a small one
+    (smallint), each typed as the cursor types it."""
     runner = PreparedStatements(CallWatchdog(5.0))
     values = {"key": "d", "token": 1, "ttl": 1.0, "note": None, "flag": None}
-    assert runner.run(connection, INSERT, {**values, "amount": Decimal("1.5")}) is None
-    assert runner.run(connection, INSERT, {**values, "key": "e", "amount": 2**70}) is None
-    assert _prepared_names(connection) == []
+    ran = runner.run(connection, INSERT, {**values, "amount": Decimal("1.5")})
+    assert ran is not None and ran[0][0]["amount"] == Decimal("1.5")
+    ran = runner.run(connection, INSERT, {**values, "key": "e", "amount": 2**70})
+    assert ran is not None and ran[0][0]["amount"] == Decimal(2**70)
+    narrow = "SELECT extract(day FROM make_interval(days => %(d)s))::int AS days"
+    assert runner.run(connection, narrow, {"d": 3}) == ([{"days": 3}], 1)
+    with pytest.raises(psycopg.ProgrammingError):
+        runner.run(connection, INSERT, {**values, "key": "f", "amount": object()})
 
 
 def test_errors_are_psycopgs_and_a_statement_deallocated_elsewhere_is_prepared_again(
     connection: psycopg.Connection[Any],
 ) -> None:
     runner = PreparedStatements(CallWatchdog(5.0))
-    values = {"key": "f", "token": 1, "ttl": 1.0, "note": None, "flag": None, "amount": None}
+    values = {"key": "g0", "token": 1, "ttl": 1.0, "note": None, "flag": None, "amount": None}
     assert runner.run(connection, INSERT, values) is not None
     connection.execute("DEALLOCATE ALL")
-    assert runner.run(connection, UPDATE, {"key": "f", "token": 1}) == ([], 1)
+    assert runner.run(connection, UPDATE, {"key": "g0", "token": 1}) == ([], 1)
     assert runner.run(connection, INSERT, {**values, "key": "g"}) is not None
     with pytest.raises(psycopg.errors.UndefinedTable):
         runner.run(connection, "SELECT * FROM no_such_table WHERE x = %(x)s", {"x": 1})
@@ -101,16 +108,16 @@ def test_errors_are_psycopgs_and_a_statement_deallocated_elsewhere_is_prepared_a
         runner.run(connection, INSERT, {**values, "key": "h", "token": None})
 
 
-def test_a_statement_the_server_cannot_type_goes_through_the_cursor(
+def test_a_statement_the_server_cannot_prepare_goes_to_the_cursor(
     connection: psycopg.Connection[Any],
 ) -> None:
-    """An int goes as bigint here; psycopg's cursor sends a small one as smallint, which a
-    function taking an integer accepts and a bigint does not (no implicit downcast)."""
+    """Left to the cursor, which reports the server's error as it always did."""
     runner = PreparedStatements(CallWatchdog(5.0))
-    narrow = "SELECT extract(day FROM make_interval(days => %(d)s))::int AS days"
-    assert runner.run(connection, narrow, {"d": 3}) is None
-    assert _through_cursor(connection, narrow, {"d": 3}) == ([{"days": 3}], 1)
-    assert runner.run(connection, narrow, {"d": 4}) is None  # remembered
+    untypable = "SELECT %(x)s IS NULL AS missing"
+    assert runner.run(connection, untypable, {"x": None}) is None
+    with pytest.raises(psycopg.errors.IndeterminateDatatype):
+        _through_cursor(connection, untypable, {"x": None})
+    assert runner.run(connection, untypable, {"x": None}) is None  # remembered
     assert _prepared_names(connection) == []
 
 
