@@ -567,7 +567,7 @@ def live_fenced_count() -> int | None:
     )
 
 
-# -- recording (receivers of celery_guard's signals; nothing else feeds the metrics) -------------
+# -- recording (recorders of celery_guard's signals; nothing else feeds the metrics) -------------
 
 
 def _task_name(sender: Any) -> str:
@@ -575,7 +575,7 @@ def _task_name(sender: Any) -> str:
 
 
 def record_outcome(sender: Any = None, outcome: str = "", **extra: Any) -> None:
-    """``celery_guard.signals.outcome`` receiver."""
+    """``celery_guard.signals.outcome`` recorder."""
     task = _task_name(sender)
     metrics = process_metrics()
     metrics.count("celery_guard_tasks", task, outcome)
@@ -591,7 +591,7 @@ def record_outcome(sender: Any = None, outcome: str = "", **extra: Any) -> None:
 
 
 def record_claim(sender: Any = None, reason: str | None = None, **extra: Any) -> None:
-    """``celery_guard.signals.claimed`` receiver."""
+    """``celery_guard.signals.claimed`` recorder."""
     task = _task_name(sender)
     metrics = process_metrics()
     metrics.count("celery_guard_lease_acquisitions", task, (reason or "new").lower())
@@ -601,29 +601,29 @@ def record_claim(sender: Any = None, reason: str | None = None, **extra: Any) ->
 
 
 def record_fenced(fenced: int = 0, **_: Any) -> None:
-    """``celery_guard.signals.executions_fenced`` receiver."""
+    """``celery_guard.signals.executions_fenced`` recorder."""
     process_metrics()["celery_guard_executions_fenced"].set(fenced)
 
 
 def record_renewal_failed(reason: str = "", **_: Any) -> None:
-    """``celery_guard.signals.lease_renewal_failed`` receiver."""
+    """``celery_guard.signals.lease_renewal_failed`` recorder."""
     process_metrics()["celery_guard_lease_renewal_failures"].labels(reason=reason).inc()
 
 
 def record_lease_lost(cause: str = "", **_: Any) -> None:
-    """``celery_guard.signals.lease_lost`` receiver."""
+    """``celery_guard.signals.lease_lost`` recorder."""
     process_metrics()["celery_guard_lease_expirations"].labels(reason=cause).inc()
 
 
 def record_renewed(gap: float = 0.0, **_: Any) -> None:
-    """``celery_guard.signals.lease_renewed`` receiver."""
+    """``celery_guard.signals.lease_renewed`` recorder."""
     process_metrics()["celery_guard_heartbeat_gap_seconds"].observe(gap)
 
 
 def record_heartbeat_round(
     oldest_lease_age: float = 0.0, oldest_progress_age: float = 0.0, **_: Any
 ) -> None:
-    """``celery_guard.signals.heartbeat_round`` receiver."""
+    """``celery_guard.signals.heartbeat_round`` recorder."""
     metrics = process_metrics()
     metrics["celery_guard_lease_age_seconds"].set(oldest_lease_age)
     metrics["celery_guard_lease_progress_age_seconds"].set(oldest_progress_age)
@@ -636,7 +636,7 @@ def record_reaper_pass(
     unclaimed_abandoned: int = 0,
     **_: Any,
 ) -> None:
-    """``celery_guard.signals.reaper_pass`` receiver (worker's main process)."""
+    """``celery_guard.signals.reaper_pass`` recorder (worker's main process)."""
     metrics = process_metrics()
     for seconds in recovered_for or ():
         metrics["celery_guard_orphans_recovered"].inc()
@@ -667,8 +667,9 @@ def declare_series() -> None:
         metrics["celery_guard_lease_expirations"].labels(reason=cause)
 
 
-#: Every signal the metrics subscribe to, with its receiver: the only way they are fed.
-_RECEIVERS: Final = (
+#: Every signal the metrics record from, with its recorder: the only way they are fed.
+#: Recorders, not receivers: each signal calls them directly (:class:`signals.GuardSignal`).
+_RECORDERS: Final = (
     (signals.outcome, record_outcome),
     (signals.claimed, record_claim),
     (signals.lease_renewed, record_renewed),
@@ -682,29 +683,25 @@ _RECEIVERS: Final = (
 #: children at all: its two signals and four gauge writes per delivery were 76 Python calls,
 #: more than half of what all the other metrics cost a delivery, and the main process knows
 #: what its pool executes (``WorkerSnapshot.running``).
-_STATE_RECEIVERS: Final = ((signals.executions_fenced, record_fenced),)
-_DISPATCH_UID: Final = "celery_guard.metrics"
+_STATE_RECORDERS: Final = ((signals.executions_fenced, record_fenced),)
 
 
 def connect_state_signals() -> None:
     """Subscribe what the worker's own state needs (idempotent; ``install()`` does it)."""
-    for signal, receiver in _STATE_RECEIVERS:
-        signal.connect(receiver, weak=False, dispatch_uid=_DISPATCH_UID)
+    for signal, recorder in _STATE_RECORDERS:
+        signal.record_with(recorder)
 
 
 def connect_signals(enabled: bool = True) -> None:
     """Subscribe the recorders to celery_guard's signals, or unsubscribe them (idempotent).
 
     A worker connects them at ``worker_init`` when it serves metrics (``guard_metrics_port``
-    set), before the pool forks; with no endpoint nothing is recorded, and a signal without
-    receivers costs its sender next to nothing.
+    set), before the pool forks; with no endpoint nothing is recorded, and a signal with
+    neither recorders nor receivers costs its sender next to nothing.
     """
     connect_state_signals()
-    for signal, receiver in _RECEIVERS:
-        if enabled:
-            signal.connect(receiver, weak=False, dispatch_uid=_DISPATCH_UID)
-        else:
-            signal.disconnect(receiver, dispatch_uid=_DISPATCH_UID)
+    for signal, recorder in _RECORDERS:
+        signal.record_with(recorder, enabled)
 
 
 # -- what the worker's main process exports -----------------------------------------------------

@@ -10,8 +10,9 @@ released, retried, dead_lettered) also carry ``seconds``: from the claim to that
 ``fencing_token``, ``attempts`` and ``queue_lag`` (seconds from publish, or the message's ETA
 if later, to the claim; ``None`` when the message carried no publish time).
 
-The others report the parts' own events; :mod:`celery_guard.metrics` subscribes to all of
-them but ``store_call`` (``install()`` connects it), and nothing calls the metrics directly.
+The others report the parts' own events; :mod:`celery_guard.metrics` records from all of
+them but ``store_call`` (``install()`` adds its recorders: :meth:`GuardSignal.record_with`),
+and nothing calls the metrics but these signals.
 Each is sent with ``sender=None`` in the process where the event happened:
 
 ``store_call``
@@ -45,9 +46,56 @@ Each is sent with ``sender=None`` in the process where the event happened:
 
 from __future__ import annotations
 
-from typing import Final
+import logging
+from collections.abc import Callable
+from typing import Any, Final
 
 from celery.utils.dispatch import Signal
+
+logger = logging.getLogger("celery_guard.signals")
+
+#: A recorder: called as a receiver is (``sender=`` and the signal's keyword arguments).
+Recorder = Callable[..., object]
+
+
+class GuardSignal(Signal):  # type: ignore[misc]  # celery ships no type information
+    """Celery's :class:`~celery.utils.dispatch.Signal`, with celery_guard's own recorders
+    called directly.
+
+    ``connect`` and ``send`` behave as Celery's: a user's receivers get what they always got.
+    The recorders of :mod:`celery_guard.metrics` are not receivers but a plain tuple, called
+    before them: Celery's dispatch takes a lock, builds the list of live receivers (weak
+    references resolved) and collects every response on each send (its ``use_caching`` is off
+    by default), which for the two signals of every delivery cost a guarded task about as much
+    as the metrics' own recording (bench/profile_worker.py). With no receiver connected,
+    Celery's ``send`` returns at its first check. A recorder that raises is logged and the
+    others still run, as Celery does for receivers.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name)
+        self.recorders: tuple[Recorder, ...] = ()
+
+    def record_with(self, recorder: Recorder, enabled: bool = True) -> None:
+        """Add ``recorder`` (once), or with ``enabled=False`` remove it (idempotent)."""
+        others = tuple(r for r in self.recorders if r is not recorder)
+        self.recorders = (*others, recorder) if enabled else others
+
+    @property
+    def listened(self) -> bool:
+        """Whether a send reaches anything: a recorder or a receiver."""
+        return bool(self.recorders or self.receivers)
+
+    def send(self, sender: Any, **named: Any) -> list[tuple[Any, Any]]:
+        for recorder in self.recorders:
+            try:
+                recorder(sender=sender, **named)
+            except Exception:
+                logger.exception("celery_guard recorder %r of %s raised", recorder, self.name)
+        if not self.receivers:
+            return []
+        return super().send(sender, **named)  # type: ignore[no-any-return]
+
 
 #: The delivery's body ran and its COMPLETED marker committed.
 COMPLETED: Final = "completed"
@@ -90,13 +138,13 @@ OUTCOMES: Final = (
     CIRCUIT_OPEN_DEFERRED,
 )
 
-outcome = Signal(name="celery_guard.outcome")
-claimed = Signal(name="celery_guard.claimed")
-store_call = Signal(name="celery_guard.store_call")
-executions_changed = Signal(name="celery_guard.executions_changed")
-executions_fenced = Signal(name="celery_guard.executions_fenced")
-lease_renewed = Signal(name="celery_guard.lease_renewed")
-lease_renewal_failed = Signal(name="celery_guard.lease_renewal_failed")
-heartbeat_round = Signal(name="celery_guard.heartbeat_round")
-lease_lost = Signal(name="celery_guard.lease_lost")
-reaper_pass = Signal(name="celery_guard.reaper_pass")
+outcome = GuardSignal(name="celery_guard.outcome")
+claimed = GuardSignal(name="celery_guard.claimed")
+store_call = GuardSignal(name="celery_guard.store_call")
+executions_changed = GuardSignal(name="celery_guard.executions_changed")
+executions_fenced = GuardSignal(name="celery_guard.executions_fenced")
+lease_renewed = GuardSignal(name="celery_guard.lease_renewed")
+lease_renewal_failed = GuardSignal(name="celery_guard.lease_renewal_failed")
+heartbeat_round = GuardSignal(name="celery_guard.heartbeat_round")
+lease_lost = GuardSignal(name="celery_guard.lease_lost")
+reaper_pass = GuardSignal(name="celery_guard.reaper_pass")
