@@ -373,7 +373,9 @@ class ProcessMetrics:
 
     def count(self, name: str, *values: str) -> None:
         """Add one to counter ``name`` with these label values (written by the next flush)."""
-        child = self.child(name, *values)
+        child = self._children.get((name, values))  # self.child()'s lookup, inline: per delivery
+        if child is None:
+            child = self.child(name, *values)
         if not self.batched:
             child.inc()
             return
@@ -385,7 +387,9 @@ class ProcessMetrics:
 
     def observe(self, name: str, value: float, *values: str) -> None:
         """Observe ``value`` in histogram ``name`` (written by the next flush)."""
-        child = self.child(name, *values)
+        child = self._children.get((name, values))
+        if child is None:
+            child = self.child(name, *values)
         bounds = getattr(child, "_upper_bounds", None)
         if not self.batched or bounds is None:
             child.observe(value)

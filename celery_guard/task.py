@@ -269,12 +269,15 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
         request = self.request
         if request.called_directly:
             return self._call_directly(runtime, args, kwargs)
+        circuit = runtime.circuit
         try:
-            return self._deliver(runtime, request, args, kwargs)
+            return self._deliver(runtime, circuit, request, args, kwargs)
         finally:
-            runtime.circuit.tell()  # the delivery's store calls, to the metrics, at once
+            circuit.tell()  # the delivery's store calls, to the metrics, at once
 
-    def _deliver(self, runtime: TaskRuntime, request: Any, args: Any, kwargs: Any) -> Any:
+    def _deliver(
+        self, runtime: TaskRuntime, circuit: Circuit, request: Any, args: Any, kwargs: Any
+    ) -> Any:
         try:
             delivery = self._delivery(request, args, kwargs, runtime.config)
         except (InvalidIdempotencyKey, TypeError) as exc:
@@ -283,7 +286,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             if not request.is_eager:
                 self._keep_undeliverable(runtime, request, args, kwargs, exc)
             raise
-        runtime.circuit.before_claim(self, delivery.key)  # backpressure: hold, or give it back
+        circuit.before_claim(self, delivery.key)  # backpressure: hold, or give it back
         try:
             return runtime.handler.execute(
                 self, delivery, lambda execution: self._run_body(execution, args, kwargs)

@@ -80,7 +80,8 @@ class StateTracker:
     def _settle(self, **context: object) -> None:
         # Under the lock, so receivers see the changes in the order they happened.
         fenced = len(self._fenced)
-        if signals.executions_changed.listened:  # none of celery_guard's: twice per delivery
+        changed = signals.executions_changed
+        if changed.recorders or changed.receivers:  # none of celery_guard's: twice per delivery
             signals.executions_changed.send(None, running=self._running, fenced=fenced)
         if fenced != self._fenced_told:
             # Rare (a lease lost while its body runs), unlike the two changes of every

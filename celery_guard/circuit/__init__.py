@@ -143,7 +143,9 @@ class Circuit:
         if not self._recording or getattr(self._local, "quiet", False):
             return
         block = self.block
-        told = signals.store_call.listened  # else nobody reads the untold counts
+        signal = signals.store_call
+        # Else nobody reads the untold counts (two attribute reads: per store call, no property).
+        told = bool(signal.recorders or signal.receivers)
         with self._lock:
             if block is not None:
                 block.add(self._slot, failed=not ok, timed_out=timed_out, seconds=seconds)
@@ -164,7 +166,7 @@ class Circuit:
         with no receiver of the user's nothing is sent.
         """
         untold = self._untold
-        if not signals.store_call.listened:
+        if not (signals.store_call.recorders or signals.store_call.receivers):
             # Nobody to tell: forget what was counted before the last receiver went (record()
             # counts nothing meanwhile).
             if untold[0] or untold[1] or untold[2]:

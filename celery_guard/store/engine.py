@@ -476,7 +476,10 @@ class StoreEngine:
             raise
         finally:
             observing.active = False
-        _tell(observer, time.monotonic() - started, None)
+        try:  # _tell's guard, inline: this runs after every store call
+            observer(time.monotonic() - started, None)
+        except Exception:
+            logger.exception("celery_guard: the store call observer failed")
         return value
 
     def _call_unobserved(self, operation: Callable[[], T]) -> T:
@@ -680,6 +683,11 @@ class _Lent:
         self._pooled = pooled
         self._hot = hot
         self._lent = True
+        # What a task's transaction reads on every statement and at its commit, as plain
+        # attributes rather than through __getattr__ (the driver's, fixed for the loan).
+        self.dbapi_connection = pooled.dbapi_connection
+        self.cursor = pooled.cursor
+        self.commit = pooled.commit
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pooled, name)
@@ -704,7 +712,7 @@ class _Lent:
         try:
             connection = self._pooled.dbapi_connection
             if connection is not None and not connection.closed:
-                if connection.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                if connection.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                     connection.rollback()
                 connection.autocommit = True
         except Exception:

@@ -178,7 +178,9 @@ class PreparedStatements:
     ) -> Any:
         if not self.prepare:
             result = pgconn.exec_params(statement.sql, params, types)
-            return _checked(pgconn, session, result)
+            if result.status not in _OK:
+                raise _error(pgconn, session, result)
+            return result
         for attempt in (1, 2):
             name = statement.prepared.get(types)
             if name is None:
@@ -204,7 +206,9 @@ class PreparedStatements:
                 # Deallocated behind our back (DISCARD ALL, DEALLOCATE ALL): prepare again.
                 session.forget_prepared()
                 continue
-            return _checked(pgconn, session, result)
+            if result.status not in _OK:
+                raise _error(pgconn, session, result)
+            return result
         raise AssertionError("unreachable")  # pragma: no cover
 
     @staticmethod
@@ -224,12 +228,6 @@ class PreparedStatements:
         transformer.set_pgresult(None)
         affected = result.command_tuples
         return rows, count if affected is None else int(affected)
-
-
-def _checked(pgconn: Any, session: _Session, result: Any) -> Any:
-    if result.status not in _OK:
-        raise _error(pgconn, session, result)
-    return result
 
 
 def _error(pgconn: Any, session: _Session, result: Any) -> psycopg.Error:
