@@ -82,6 +82,12 @@ class MetricSpec:
         return (self.name,)
 
 
+#: A delivery's recorder's series (:meth:`ProcessMetrics.series_for`): the task it is for,
+#: the counter's child, the histogram's child and that histogram's bucket bounds.
+_Series = tuple[Any, Any, Any, tuple[float, ...] | None]
+#: Histograms labelled by outcome as well as by task (the queue lag is by task only).
+_BY_OUTCOME = frozenset({"celery_guard_task_duration_seconds"})
+
 #: Counters whose value lives elsewhere (the circuit's shared block) and is read at scrape time.
 _READ_AT_SCRAPE = frozenset({"celery_guard_circuit_opened", "celery_guard_store_calls"})
 
@@ -334,6 +340,9 @@ class ProcessMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.objects: dict[str, Any] = {}
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        #: (id(task), outcome or claim reason) -> (task, counter child, histogram child, its
+        #: bucket bounds): what a delivery's two recorders write, looked up once per process.
+        self.series: dict[tuple[int, str | None], _Series] = {}
         self.batched = registry is None  # multiprocess mode: values live in files
         self._pending_lock = threading.Lock()
         #: child -> increments, and histogram child -> [sum, count per bucket...], unwritten.
@@ -402,6 +411,46 @@ class ProcessMetrics:
                 pending = self._pending_observations[child] = [0.0] * (len(bounds) + 1)
             pending[0] += value
             pending[bucket + 1] += 1
+        if self._flusher is None:
+            self._start_flusher()
+
+    def series_for(
+        self, task: Any, label: str | None, counter: str, histogram: str, *values: str
+    ) -> _Series:
+        """The children a delivery's recorder writes for ``task``, kept in :attr:`series`:
+        ``counter`` and ``histogram`` with the task's name, then ``values``, as labels."""
+        name = _task_name(task)
+        counted = self.child(counter, name, *values)
+        observed = self.child(histogram, name, *(values if histogram in _BY_OUTCOME else ()))
+        found = self.series[(id(task), label)] = (
+            task,
+            counted,
+            observed,
+            getattr(observed, "_upper_bounds", None),
+        )
+        return found
+
+    def record(self, series: _Series, value: float | None) -> None:
+        """One delivery's claim or outcome: add one to the series' counter and, when ``value``
+        is not ``None``, observe it in its histogram (under one lock, written by the next
+        flush)."""
+        _, counted, observed, bounds = series
+        if not self.batched or bounds is None:
+            counted.inc()
+            if value is not None:
+                observed.observe(value)
+            return
+        with self._pending_lock:
+            counts = self._pending_counts
+            counts[counted] = counts.get(counted, 0) + 1
+            if value is not None:
+                pending = self._pending_observations.get(observed)
+                if pending is None:
+                    pending = self._pending_observations[observed] = [0.0] * (len(bounds) + 1)
+                pending[0] += value
+                # prometheus_client counts an observation in the first bucket whose bound is
+                # >= it.
+                pending[bisect_left(bounds, value) + 1] += 1
         if self._flusher is None:
             self._start_flusher()
 
@@ -580,28 +629,34 @@ def _task_name(sender: Any) -> str:
 
 def record_outcome(sender: Any = None, outcome: str = "", **extra: Any) -> None:
     """``celery_guard.signals.outcome`` recorder."""
-    task = _task_name(sender)
-    metrics = process_metrics()
-    metrics.count("celery_guard_tasks", task, outcome)
+    metrics = _metrics or process_metrics()
+    series = metrics.series.get((id(sender), outcome))
+    if series is None or series[0] is not sender:
+        series = metrics.series_for(
+            sender, outcome, "celery_guard_tasks", "celery_guard_task_duration_seconds", outcome
+        )
+    metrics.record(series, extra.get("seconds"))
     if outcome == signals.RETRIED:
         error_class = str(extra.get("error_class") or "unknown")
-        metrics.count("celery_guard_retries", task, error_class)
+        metrics.count("celery_guard_retries", _task_name(sender), error_class)
     elif outcome == signals.DEAD_LETTERED:
         error_class = str(extra.get("error_class") or "unknown")
-        metrics.count("celery_guard_dead_letters", task, error_class)
-    seconds = extra.get("seconds")
-    if seconds is not None:
-        metrics.observe("celery_guard_task_duration_seconds", seconds, task, outcome)
+        metrics.count("celery_guard_dead_letters", _task_name(sender), error_class)
 
 
 def record_claim(sender: Any = None, reason: str | None = None, **extra: Any) -> None:
     """``celery_guard.signals.claimed`` recorder."""
-    task = _task_name(sender)
-    metrics = process_metrics()
-    metrics.count("celery_guard_lease_acquisitions", task, (reason or "new").lower())
-    lag = extra.get("queue_lag")
-    if lag is not None:
-        metrics.observe("celery_guard_queue_lag_seconds", lag, task)
+    metrics = _metrics or process_metrics()
+    series = metrics.series.get((id(sender), reason))
+    if series is None or series[0] is not sender:
+        series = metrics.series_for(
+            sender,
+            reason,
+            "celery_guard_lease_acquisitions",
+            "celery_guard_queue_lag_seconds",
+            (reason or "new").lower(),
+        )
+    metrics.record(series, extra.get("queue_lag"))
 
 
 def record_fenced(fenced: int = 0, **_: Any) -> None:

@@ -27,13 +27,28 @@ metrics.enable_multiprocess()
 recorder = metrics.process_metrics()
 
 
+class Task:
+    name = "t"
+
+
+task = Task()
+
+
 def record(value):
     if mode == "direct":
         recorder.child("celery_guard_tasks", "t", "completed").inc()
         recorder.child("celery_guard_task_duration_seconds", "t", "completed").observe(value)
+        recorder.child("celery_guard_lease_acquisitions", "t", "new").inc()
+        recorder.child("celery_guard_queue_lag_seconds", "t").observe(value)
+    elif mode == "recorders":
+        # What a delivery's two signals call (celery_guard.signals' recorders).
+        metrics.record_claim(sender=task, reason="NEW", queue_lag=value)
+        metrics.record_outcome(sender=task, outcome="completed", seconds=value)
     else:
         recorder.count("celery_guard_tasks", "t", "completed")
         recorder.observe("celery_guard_task_duration_seconds", value, "t", "completed")
+        recorder.count("celery_guard_lease_acquisitions", "t", "new")
+        recorder.observe("celery_guard_queue_lag_seconds", value, "t")
 
 
 def samples():
@@ -68,7 +83,7 @@ elif mode == "periodic":
 else:
     for value in values:
         record(value)
-    if mode == "batched":
+    if mode in ("batched", "recorders"):
         recorder.flush()
 print(json.dumps(samples()))
 """
@@ -101,6 +116,18 @@ def test_a_flush_writes_what_observing_each_value_would_have(tmp_path: Path) -> 
     assert _value(direct, "celery_guard_tasks_total") == len(VALUES)
     assert _value(direct, "celery_guard_task_duration_seconds_bucket", le="0.005") == 3
     assert batched == direct
+
+
+def test_the_delivery_recorders_write_what_observing_each_value_would_have(
+    tmp_path: Path,
+) -> None:
+    direct = _samples("direct", VALUES, tmp_path / "direct")
+    recorded = _samples("recorders", VALUES, tmp_path / "recorders")
+    lag_bucket = json.dumps(sorted({"task": "t", "le": "0.005"}.items()))
+    claims = json.dumps(sorted({"task": "t", "reason": "new"}.items()))
+    assert recorded["celery_guard_queue_lag_seconds_bucket" + lag_bucket] == 3
+    assert recorded["celery_guard_lease_acquisitions_total" + claims] == len(VALUES)
+    assert recorded == direct
 
 
 def test_the_flusher_thread_writes_without_being_asked(tmp_path: Path) -> None:
