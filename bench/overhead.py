@@ -377,11 +377,16 @@ def server_counters(postgres: PostgresServer, settle: bool = False) -> dict[str,
             connection.execute("SELECT pg_stat_clear_snapshot()")
         row = connection.execute(
             "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = %s), "
-            "(SELECT wal_sync FROM pg_stat_wal)",
+            "wal_sync, wal_bytes, wal_fpi FROM pg_stat_wal",
             (dbname,),
         ).fetchone()
     assert row is not None
-    return {"commits": float(row[0]), "WAL syncs": float(row[1])}
+    return {
+        "commits": float(row[0]),
+        "WAL syncs": float(row[1]),
+        "WAL bytes": float(row[2]),
+        "full-page images": float(row[3]),
+    }
 
 
 #: Rows each task kind writes, by table.
@@ -611,7 +616,9 @@ def render(
         "*Commits/task*: `pg_stat_database.xact_commit` deltas over each worker's whole life "
         "(its start-up and background statements included, read-only transactions too), "
         "divided by the tasks; *WAL syncs/task*: `pg_stat_wal.wal_sync` deltas (zero with "
-        "fsync off; below the commits when concurrent commits share a flush).",
+        "fsync off; below the commits when concurrent commits share a flush); *WAL bytes/task*: "
+        "`pg_stat_wal.wal_bytes` deltas, and in brackets the full-page images among them "
+        "(`wal_fpi`: 8 kB each, the first change to a page after a checkpoint).",
     ]
     for setting, result in results.items():
         out += render_setting(args, setting, result)
@@ -659,8 +666,9 @@ def render_setting(args: argparse.Namespace, setting: str, result: SettingResult
         f"### {setting.capitalize()}: {SETTING_TITLES[setting]}",
         "",
         "| Task | Variant | Tasks/s | To plain | To floor | To plain, paired | "
-        "To floor, paired | Commits/task | WAL syncs/task | All runs (tasks/s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "To floor, paired | Commits/task | WAL syncs/task | WAL bytes/task (full-page images) | "
+        "All runs (tasks/s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for kind in KINDS:
         for variant in args.variants:
@@ -673,6 +681,9 @@ def render_setting(args: argparse.Namespace, setting: str, result: SettingResult
             counts = result.counts.get(name) or []
             commits = _median(counts, "commits")
             syncs = _median(counts, "WAL syncs")
+            wal = _median(counts, "WAL bytes", "{:.0f}")
+            images = _median(counts, "full-page images")
+            wal_cell = f"{wal} ({images})" if wal else ""
             every = ", ".join(f"{args.tasks / s:.0f}" for s in result.seconds[name])
             paired_plain = _paired(result, name, f"plain_{kind}") if variant != "plain" else ""
             paired_floor = (
@@ -680,7 +691,7 @@ def render_setting(args: argparse.Namespace, setting: str, result: SettingResult
             )
             out.append(
                 f"| {kind} | {variant} | {rate[name]:.0f} | {to_plain} | {to_floor} | "
-                f"{paired_plain} | {paired_floor} | {commits} | {syncs} | {every} |"
+                f"{paired_plain} | {paired_floor} | {commits} | {syncs} | {wal_cell} | {every} |"
             )
     out += [
         "",
@@ -691,9 +702,9 @@ def render_setting(args: argparse.Namespace, setting: str, result: SettingResult
     return out
 
 
-def _median(rows: list[dict[str, float]], key: str) -> str:
+def _median(rows: list[dict[str, float]], key: str, form: str = "{:.2f}") -> str:
     values = [row[key] for row in rows if key in row]
-    return f"{statistics.median(values):.2f}" if values else ""
+    return form.format(statistics.median(values)) if values else ""
 
 
 def render_targets(args: argparse.Namespace, results: dict[str, SettingResult]) -> list[str]:

@@ -103,7 +103,7 @@ def main() -> None:
                 subprocess.Popen(
                     [py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200"]
                     + ["--nonblocking", "--duration", str(int(args.seconds))]
-                    + ([] if args.all_samples else ["--gil"])
+                    + (["--idle"] if args.all_samples else ["--gil"])
                     + ["--output", str(out_dir / f"{pid}.txt")],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
