@@ -17,29 +17,55 @@ from tests.rig import procs
 from tests.rig.servers import PgBouncerServer, PostgresServer, RabbitMQServer, RedisServer
 from tests.rig.workers import WorkerProcess
 
-#: Lines of each live worker's log attached to a failed test's report.
-WORKER_LOG_LINES = 60
+#: Lines of the log of each worker a failed test uses, attached to its report.
+WORKER_LOG_LINES = 150
+#: Lines of every other live worker's log (the session's shared workers, another module's).
+OTHER_WORKER_LOG_LINES = 15
+
+
+def workers_of(item: pytest.Item) -> list[WorkerProcess]:
+    """The workers a test's fixtures hand it: a worker, a list of them, or a cluster's."""
+    found: list[WorkerProcess] = []
+    for value in getattr(item, "funcargs", {}).values():
+        candidates = getattr(value, "workers", value)
+        if isinstance(candidates, WorkerProcess):
+            candidates = [candidates]
+        if isinstance(candidates, (list, tuple)):
+            found.extend(w for w in candidates if isinstance(w, WorkerProcess) and w not in found)
+    return found
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failed test's report carries the log tail of every worker still running.
+    """A failed test's report carries the log tails of its workers, then of every other
+    worker still running (shorter).
 
     Workers are shared by many tests and their logs are deleted with them: without this, a
-    failure in CI shows what the client saw and nothing of why a worker did not answer.
+    failure in CI shows what the client saw and nothing of why a worker did not answer. The
+    test's own workers come first and longest: CI folds a long report in the middle, and the
+    session's shared workers' logs would otherwise push them out.
     """
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.when == "setup" or not report.failed:
         return
-    for managed in procs.registered():
-        if isinstance(managed, WorkerProcess) and managed.is_alive():
-            report.sections.append(
-                (
-                    f"worker {managed.hostname} (pid {managed.pid}) log tail",
-                    procs.log_tail(managed.log_path, WORKER_LOG_LINES),
-                )
+    own = workers_of(item)
+    others = [
+        managed
+        for managed in procs.registered()
+        if isinstance(managed, WorkerProcess) and managed.is_alive() and managed not in own
+    ]
+    for worker, lines, whose in [
+        *((w, WORKER_LOG_LINES, "the test's worker") for w in own),
+        *((w, OTHER_WORKER_LOG_LINES, "another live worker") for w in others),
+    ]:
+        state = "running" if worker.is_alive() else "exited"
+        report.sections.append(
+            (
+                f"{whose} {worker.hostname} (pid {worker.pid}, {state}) log tail",
+                procs.log_tail(worker.log_path, lines),
             )
+        )
 
 
 @pytest.fixture(scope="session")

@@ -215,3 +215,22 @@ def test_pgbouncer_pools_transactions_in_front_of_postgres_and_stops_by_pid(
         with pytest.raises(psycopg.OperationalError, match="unsupported startup parameter"):
             psycopg.connect(dsn, options="-c statement_timeout=1000").close()
     assert not procs.pid_alive(pid)
+
+
+def test_a_failed_tests_report_names_the_workers_its_fixtures_hand_it() -> None:
+    """The report hook (tests/conftest.py) puts these workers' logs first."""
+    from types import SimpleNamespace
+
+    from tests.conftest import workers_of
+
+    one, two, three = (WorkerProcess("tests.apps.shop") for _ in range(3))
+    item = SimpleNamespace(
+        funcargs={
+            "shop_workers": [one, two],
+            "cluster": SimpleNamespace(workers=[two, three]),
+            "worker": one,
+            "tag": "not a worker",
+        }
+    )
+    assert workers_of(item) == [one, two, three]  # type: ignore[arg-type]
+    assert workers_of(SimpleNamespace()) == []  # type: ignore[arg-type]
