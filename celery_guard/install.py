@@ -209,6 +209,11 @@ class GuardRuntime:
         """The store's circuit breaker and adaptive concurrency."""
         return self._built().circuit
 
+    def delivery_parts(self) -> tuple[GuardConfig, GuardHandler, Circuit]:
+        """The settings, the handler and the circuit: what each delivery reads, in one call."""
+        parts = self._built()
+        return parts.config, parts.handler, parts.circuit
+
     def load(self) -> GuardConfig:
         """Read and check the settings now (once), build the parts, and return the settings.
 

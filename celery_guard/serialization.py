@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
 from celery.result import ResultBase, result_from_tuple
 from kombu import serialization as kombu_serialization
@@ -19,9 +20,6 @@ from kombu.utils.json import loads as _kombu_loads
 
 #: kombu's encoder with the canonical options, built once: ``json.dumps`` would build one per
 #: call, and the hot path encodes every argument of every delivery.
-#: The string encoder json uses without ensure_ascii (its C version where there is one), for
-#: strings inside a container and alone alike: kombu's encoder only adds a ``default``.
-_encode_string = json.encoder.encode_basestring
 _CANONICAL = JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -36,9 +34,11 @@ def dumps(value: Any, *, canonical: bool = False) -> str:
     return str(_kombu_dumps(value))  # type: ignore[no-untyped-call]
 
 
-def json_string(text: str) -> str:
-    """``text`` as a JSON string, exactly as :func:`dumps` writes it (canonical or not)."""
-    return _encode_string(text)
+#: ``text`` as a JSON string, exactly as :func:`dumps` writes it (canonical or not): the
+#: string encoder json uses without ensure_ascii (its C version where there is one), for strings
+#: inside a container and alone alike, since kombu's encoder only adds a ``default``. Bound,
+#: not wrapped: a delivery calls it for each field of its stored message (messages.py).
+json_string: Final[Callable[[str], str]] = json.encoder.encode_basestring
 
 
 def loads(text: str) -> Any:

@@ -43,7 +43,7 @@ from celery_guard.keys import (
 )
 from celery_guard.messages import PUBLISHED_AT_HEADER
 from celery_guard.policy import ErrorClass, import_classes
-from celery_guard.runtime import get_runtime
+from celery_guard.runtime import RUNTIME_ATTRIBUTE, get_runtime
 from celery_guard.serialization import ResultCodec
 from celery_guard.store.base import DeadLetter, KeyStore
 
@@ -82,6 +82,7 @@ class TaskRuntime(Protocol):
     def circuit(self) -> Circuit: ...
     @property
     def dead_letters(self) -> DeadLetterSink: ...
+    def delivery_parts(self) -> tuple[GuardConfig, GuardHandler, Circuit]: ...
 
 
 def _runtime(app: Any) -> TaskRuntime:
@@ -265,21 +266,30 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.guarded:
             return super().__call__(*args, **kwargs)
-        runtime = _runtime(self.app)
+        app = self.app
+        # get_runtime's lookup, inline (it runs per delivery); get_runtime raises the error.
+        runtime = getattr(app, RUNTIME_ATTRIBUTE, None) or _runtime(app)
         request = self.request
         if request.called_directly:
             return self._call_directly(runtime, args, kwargs)
-        circuit = runtime.circuit
+        config, handler, circuit = runtime.delivery_parts()
         try:
-            return self._deliver(runtime, circuit, request, args, kwargs)
+            return self._deliver(runtime, config, handler, circuit, request, args, kwargs)
         finally:
             circuit.tell()  # the delivery's store calls, to the metrics, at once
 
     def _deliver(
-        self, runtime: TaskRuntime, circuit: Circuit, request: Any, args: Any, kwargs: Any
+        self,
+        runtime: TaskRuntime,
+        config: GuardConfig,
+        handler: GuardHandler,
+        circuit: Circuit,
+        request: Any,
+        args: Any,
+        kwargs: Any,
     ) -> Any:
         try:
-            delivery = self._delivery(request, args, kwargs, runtime.config)
+            delivery = self._delivery(request, args, kwargs, config)
         except (InvalidIdempotencyKey, TypeError) as exc:
             # TypeError: UnserializableArguments, or arguments that do not fit the signature
             # (a producer that skipped apply_async's check, or a rolling deploy's older task).
@@ -288,7 +298,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
             raise
         circuit.before_claim(self, delivery.key)  # backpressure: hold, or give it back
         try:
-            return runtime.handler.execute(
+            return handler.execute(
                 self, delivery, lambda execution: self._run_body(execution, args, kwargs)
             )
         except DeliveryDeferred as deferred:
