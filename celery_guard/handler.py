@@ -297,7 +297,7 @@ class GuardHandler:
             return self._run(task, delivery, execution, body)
         finally:
             self.heartbeat.drop(lease)
-            if lease.fenced_reason is None:
+            if lease.fenced_reason is None and acquisition.handle is not None:
                 self._release_lease(lease.key, acquisition.handle)
             self.states.execution_ended(
                 lease.key, lease.token, fenced=lease.fenced_reason is not None
@@ -509,6 +509,8 @@ class GuardHandler:
 
     def _release_lease(self, key: str, handle: int | None) -> None:
         """Best effort: a lease that is not released expires on its own."""
+        if handle is None:
+            return  # the row's lease (no backend holds one without a handle): the row ends it
         try:
             self.leases.release(key, handle)
         except StoreError as exc:

@@ -36,6 +36,10 @@ class Acquisition:
     remaining: float = 0.0
 
 
+#: What :meth:`SqlLeases.acquire` answers: the claim itself takes the row's lease.
+_IN_THE_ROW = Acquisition(acquired=True)
+
+
 class LeaseBackend(Protocol):
     """The operations the handler, the heartbeat and the reaper need of a lease backend."""
 
@@ -58,7 +62,8 @@ class LeaseBackend(Protocol):
         ...
 
     def release(self, key: str, handle: int | None) -> bool:
-        """Drop the lease if ``handle`` still holds it; True when it did."""
+        """Drop the lease if ``handle`` still holds it; True when it did. A ``None`` handle
+        holds nothing to release (the handler does not call it then)."""
         ...
 
     def held(self, keys: list[str]) -> set[str]:
@@ -75,7 +80,7 @@ class SqlLeases:
         self.store = store
 
     def acquire(self, key: str, ttl: float) -> Acquisition:
-        return Acquisition(acquired=True)
+        return _IN_THE_ROW  # immutable: one for every delivery
 
     def renew_leases(
         self,
