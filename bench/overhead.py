@@ -21,6 +21,9 @@ The floor's claim and GuardedTask's commit without waiting for their WAL flush (
 ``floor1``: the floor with its claim inside the body's transaction (one
 commit per task), the ceiling of that design; and ``guarded_quiet``: ``GuardedTask`` with the
 metrics off (``guard_metrics_port = None``), what recording the metrics costs.
+``--without-indexes`` drops the keys table's two partial indexes (the reaper's and pruning's)
+before the runs, leaving its primary key as the floor's table has: a bound on what those
+indexes cost the hot path, written to a section of its own (the self-healing needs them).
 
 Each runs against two PostgreSQL servers in turn (``--settings``): ``durable``, as production
 runs it (fsync, synchronous_commit and full_page_writes on: every commit waits for its WAL
@@ -73,6 +76,7 @@ import celery_guard  # noqa: E402
 from bench import floor  # noqa: E402
 from bench.cpu import PART_TITLES, CpuSnapshot  # noqa: E402
 from celery_guard import get_runtime  # noqa: E402
+from celery_guard.store.schema import PRUNABLE_INDEX, RUNNING_INDEX  # noqa: E402
 from tests.rig import procs  # noqa: E402
 from tests.rig.ports import free_port  # noqa: E402
 from tests.rig.servers import PostgresServer, RedisServer  # noqa: E402
@@ -82,11 +86,22 @@ HEADING = "## Overhead (bench/overhead.py)"
 DEFAULT_CONCURRENCY = 2
 
 
-def heading_for(concurrency: int) -> str:
-    """The section a run writes: another pool size gets its own, beside the default's."""
+def heading_for(concurrency: int, without_indexes: bool = False) -> str:
+    """The section a run writes: another pool size gets its own, beside the default's, and so
+    does a run without the keys table's partial indexes (never the headline figures)."""
+    if without_indexes:
+        return (
+            "## Overhead without the reaper's and pruning's indexes "
+            "(bench/overhead.py --without-indexes)"
+        )
     if concurrency == DEFAULT_CONCURRENCY:
         return HEADING
     return f"## Overhead at concurrency {concurrency} (bench/overhead.py --concurrency N)"
+
+
+#: What ``--without-indexes`` drops after migrating: the keys table's partial indexes
+#: (celery_guard/store/schema.py), so that only its primary key is left, as the floor's table.
+PARTIAL_KEY_INDEXES = (RUNNING_INDEX, PRUNABLE_INDEX)
 
 
 KINDS = ("noop", "credit")
@@ -159,6 +174,14 @@ def main() -> None:
     parser.add_argument(
         "--settings", default=",".join(SETTINGS), help="PostgreSQL settings to run: durable,fast"
     )
+    parser.add_argument(
+        "--without-indexes",
+        action="store_true",
+        help=(
+            "drop the reaper's and pruning's partial indexes after migrating: a bound on what "
+            "they cost the hot path (its own section; never a setting to run celery_guard with)"
+        ),
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
     args.variants = _choices(parser, "--variants", args.variants, ALL_VARIANTS)
@@ -191,7 +214,7 @@ def main() -> None:
 
     section = render(args, results, info, command, wall)
     print("\n" + section)
-    write_section(args.output, section, heading_for(args.concurrency))
+    write_section(args.output, section, heading_for(args.concurrency, args.without_indexes))
     print(f"written to {args.output}; total wall time {wall:.0f} s")
 
 
@@ -229,6 +252,8 @@ def run_setting(
     forget_connections(bench)  # a previous setting's server is gone
     bench.metadata.create_all(create_engine(postgres.url, poolclass=sqlalchemy.NullPool))
     get_runtime(bench.app).migrate()
+    if args.without_indexes:
+        drop_partial_key_indexes(postgres.url)
     get_runtime(bench.app).store.dispose()
 
     result = SettingResult()
@@ -256,6 +281,10 @@ def run_setting(
                 f"{args.tasks / seconds:8.1f}/s",
                 flush=True,
             )
+    if args.without_indexes:
+        left = key_indexes(postgres.url)
+        if set(left) & set(PARTIAL_KEY_INDEXES):  # a worker's schema check put one back
+            raise RuntimeError(f"--without-indexes: the keys table has {left} after the runs")
     if setting == "fast":
         result.statements = measure_in_process(bench, postgres, args.variants)
     forget_connections(bench)
@@ -346,6 +375,23 @@ def run_once(
         )
     check_effects(postgres.url, name, args.tasks)
     return last - first
+
+
+def drop_partial_key_indexes(url: str) -> None:
+    engine = create_engine(url, poolclass=sqlalchemy.NullPool)
+    with engine.begin() as connection:
+        for name in PARTIAL_KEY_INDEXES:
+            connection.execute(text(f"DROP INDEX {name}"))
+
+
+def key_indexes(url: str) -> list[str]:
+    """The keys table's indexes, by name."""
+    engine = create_engine(url, poolclass=sqlalchemy.NullPool)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            text("SELECT indexname FROM pg_indexes WHERE tablename = 'celery_guard_keys'")
+        ).all()
+    return sorted(row[0] for row in rows)
 
 
 def reset_database(url: str) -> None:
@@ -588,7 +634,7 @@ def render(
 ) -> str:
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [
-        heading_for(args.concurrency),
+        heading_for(args.concurrency, args.without_indexes),
         "",
         f"Measured {today} with `{command}` (total wall time {wall:.0f} s).",
         "",

@@ -104,3 +104,19 @@ def test_overhead_pairs_each_rounds_runs_and_says_both_verdicts() -> None:
         "- durable, noop: GuardedTask (defaults) / floor 0.80 (NOT met), paired 0.91 (met); "
         "target at least 0.9"
     )
+
+
+def test_a_run_without_the_partial_indexes_never_replaces_the_headline_section() -> None:
+    headline = overhead.heading_for(overhead.DEFAULT_CONCURRENCY)
+    bound = overhead.heading_for(overhead.DEFAULT_CONCURRENCY, without_indexes=True)
+    assert headline == overhead.HEADING and bound != headline
+    assert "--without-indexes" in bound
+    # What it drops is exactly the keys table's partial indexes, never its primary key.
+    from celery_guard.store.schema import keys
+
+    partial = {
+        index.name
+        for index in keys.indexes
+        if index.dialect_options["postgresql"]["where"] is not None
+    }
+    assert set(overhead.PARTIAL_KEY_INDEXES) == partial
