@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import pstats
+import re
 import shlex
 import statistics
 import sys
@@ -214,13 +215,19 @@ def run(
         worker.cleanup()
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+
+
 def calls_by_function(directory: Path, tasks: int) -> dict[str, float]:
     """Calls per task of each function, over the profiles one worker's processes dumped."""
     totals: dict[str, float] = {}
     profiles = sorted(directory.glob("*.pstats"))
     for path in profiles:
         for (filename, line, function), entry in pstats.Stats(str(path)).stats.items():  # type: ignore[attr-defined]
-            where = f"{Path(filename).name}:{line}({function})" if line else function
+            # A built-in's name carries its object's address, which differs between workers.
+            where = (
+                f"{Path(filename).name}:{line}({function})" if line else _ADDRESS.sub("", function)
+            )
             totals[where] = totals.get(where, 0.0) + entry[1]
     return {where: count / (tasks * len(profiles)) for where, count in totals.items()}
 

@@ -60,6 +60,13 @@ class Monitor(Protocol):
         ...
 
 
+class _Quiet(threading.local):
+    """Per thread: whether its store calls go uncounted (:meth:`Circuit.unrecorded`). A class
+    default, so that the check after every store call is an attribute read, not a getattr."""
+
+    quiet = False
+
+
 class Circuit:
     """Backpressure for one app, in every process of a worker (``runtime.circuit``).
 
@@ -84,7 +91,7 @@ class Circuit:
         # Private to this process: guards this process's slot against its own threads (the
         # body's thread and the heartbeat). Never shared with another process.
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._local = _Quiet()
 
     # -- the worker's lifecycle -----------------------------------------------------------------
 
@@ -127,10 +134,26 @@ class Circuit:
 
     def observe(self, seconds: float, error: StoreError | None) -> None:
         """What the store and the lease backend call after each of their calls."""
-        if error is None:
-            self.record(True, False, seconds)
-        else:
+        if error is not None:
             self.record(False, timed_out(error, seconds, self.config.store_timeout), seconds)
+            return
+        # The answered call, inline rather than through record(): this runs after every store
+        # call of every delivery (four for a task that writes through transaction()), and the
+        # extra call, its keyword arguments and the failure branches were most of its cost.
+        if not self._recording or self._local.quiet:
+            return
+        block = self.block
+        signal = signals.store_call
+        # Else nobody reads the untold counts (two attribute reads: per store call, no property).
+        told = bool(signal.recorders or signal.receivers)
+        with self._lock:
+            if block is not None:
+                block.add_answered(self._slot, seconds)
+            if told:
+                self._untold[0] += 1
+                told = time.monotonic() - self._told_at >= TELL_EVERY
+        if told:
+            self.tell()
 
     def record(self, ok: bool, timed_out: bool, seconds: float) -> None:
         """Count one store call made for a delivery: ``ok`` (the store answered), whether it
@@ -140,11 +163,13 @@ class Circuit:
         in-process pool (solo, threads), where the reaper's calls share the process and count
         too. A prefork worker's main process counts nothing; the probes never count.
         """
-        if not self._recording or getattr(self._local, "quiet", False):
+        if ok and not timed_out:
+            self.observe(seconds, None)
+            return
+        if not self._recording or self._local.quiet:
             return
         block = self.block
         signal = signals.store_call
-        # Else nobody reads the untold counts (two attribute reads: per store call, no property).
         told = bool(signal.recorders or signal.receivers)
         with self._lock:
             if block is not None:

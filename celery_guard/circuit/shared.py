@@ -112,6 +112,15 @@ class SharedBlock:
             words[base + _TIMEOUTS] += 1
         words[base + _LATENCY_MICROS] += max(0, int(seconds * 1_000_000))
 
+    def add_answered(self, slot: int, seconds: float) -> None:
+        """:meth:`add` for a call the store answered, the case of nearly every call."""
+        words = self._words
+        base = _HEADER_WORDS + slot * _SLOT_WORDS
+        words[base + _CALLS] += 1
+        micros = int(seconds * 1_000_000)
+        if micros > 0:
+            words[base + _LATENCY_MICROS] += micros
+
     def totals(self) -> Totals:
         """Every process's calls summed (read in the order that never shows a failure early)."""
         words = self._words

@@ -70,7 +70,7 @@ class StoreEngine:
         #: PostgreSQL: this process's connection for the per-delivery statements (see hot()).
         self.hot = HotConnection()
         self.dialect_name = make_url(config.store_url).get_backend_name()
-        self._observing = threading.local()  # a call inside a call is not counted twice
+        self._observing = _Observing()  # a call inside a call is not counted twice
         #: id(statement) -> (statement, driver SQL, fixed parameters); statements are built once.
         self._compiled_cache: dict[int, tuple[Any, str, dict[str, Any]]] = {}
         self._names_cache: dict[int, list[str]] = {}
@@ -465,7 +465,7 @@ class StoreEngine:
         """
         observer = self.observer
         observing = self._observing
-        if observer is None or getattr(observing, "active", False):
+        if observer is None or observing.active:
             return self._call_unobserved(operation) if retry else operation()
         started = time.monotonic()
         observing.active = True
@@ -499,6 +499,13 @@ class StoreEngine:
                     f"({self.config.safe_store_url()})"
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _Observing(threading.local):
+    """Per thread: whether a store call is being observed (:meth:`StoreEngine.observed`). A
+    class default, so that the check before every store call is an attribute read."""
+
+    active = False
 
 
 def _dbapi_connection(transaction: RootTransaction) -> Any:

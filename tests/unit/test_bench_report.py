@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import marshal
 from pathlib import Path
 
-from bench import overhead, peers, run_all
+from bench import overhead, peers, pool_cost, run_all
 
 
 def test_run_all_finds_every_benchmark_in_bench_and_skips_app_modules() -> None:
@@ -120,3 +121,26 @@ def test_a_run_without_the_partial_indexes_never_replaces_the_headline_section()
         if index.dialect_options["postgresql"]["where"] is not None
     }
     assert set(overhead.PARTIAL_KEY_INDEXES) == partial
+
+
+def test_pool_cost_matches_a_builtin_across_workers_whatever_its_address(tmp_path: Path) -> None:
+    # Two workers' dumps: a built-in's name carries an address that differs between them.
+    for variant, address in (("floor", "0x7fed6425ea00"), ("guarded", "0x7f7cb545ea00")):
+        directory = tmp_path / f"{variant}_noop"
+        directory.mkdir()
+        stats = {
+            ("~", 0, f"<built-in method __new__ of type object at {address}>"): (8, 8, 0, 0, {}),
+            ("/x/celery_guard/engine.py", 459, "observed"): (
+                4,
+                4 if variant == "guarded" else 0,
+                0,
+                0,
+                {},
+            ),
+        }
+        (directory / "1.pstats").write_bytes(marshal.dumps(stats))
+    floor = pool_cost.calls_by_function(tmp_path / "floor_noop", tasks=2)
+    guarded = pool_cost.calls_by_function(tmp_path / "guarded_noop", tasks=2)
+    assert floor["<built-in method __new__ of type object>"] == 4.0
+    assert guarded["<built-in method __new__ of type object>"] == 4.0
+    assert guarded["engine.py:459(observed)"] - floor["engine.py:459(observed)"] == 2.0
