@@ -149,7 +149,7 @@ class Keys:
                     return rows[0], True
             return only_row(db.execute_hot(_claim_statement(*variant), parameters)[0]), False
 
-        row, new = db.call(claim)
+        row, new = db.observed(claim, retry=True)  # call(), one frame less: every delivery
         if new:
             return ClaimResult(
                 outcome=ClaimOutcome.CLAIMED,
@@ -185,7 +185,7 @@ class Keys:
         elif connection is not None:
             rowcount = db.call(lambda: connection.execute(statement, parameters).rowcount)
         else:
-            rowcount = db.call(lambda: db.execute_hot(statement, parameters))[1]
+            rowcount = db.observed(lambda: db.execute_hot(statement, parameters), retry=True)[1]
         if rowcount == 1:
             return
         if connection is None:
@@ -251,7 +251,9 @@ class Keys:
         if db.budget == "child" and db.dialect_name == "postgresql":
             # The connection the claim ran on, out of autocommit until the loan ends: a pool
             # process holds one connection in all (docs/design.md).
-            connection = db.call(lambda: db.lend(engine, transaction=True, on_boundary=on_boundary))
+            connection = db.observed(
+                lambda: db.lend(engine, transaction=True, on_boundary=on_boundary), retry=True
+            )
         if connection is None:
             connection = db.call(lambda: db.connect(engine, on_boundary))
         return connection

@@ -60,8 +60,9 @@ class CallWatchdog:
         caller passes what it returns to :meth:`disarm` when the call ends (``None``: there is
         no socket to watch)."""
         try:
-            fd = int(dbapi_connection.fileno())
-        except Exception:  # closed, or a driver without a socket
+            # psycopg's fileno() is this attribute behind a Python call, on every statement.
+            fd: int = dbapi_connection.pgconn.socket
+        except Exception:  # closed, or a driver without a socket (no pgconn)
             return None
         if self._generation != forks.current:
             self._start()
