@@ -381,7 +381,7 @@ class StoreEngine:
                 if fd is not None:
                     watchdog.disarm(fd)
 
-        self.observed(commit)
+        self.call(commit, retry=False)
 
     def _run_hot(
         self,
@@ -452,16 +452,16 @@ class StoreEngine:
 
     # -- the call wrappers --------------------------------------------------------------------
 
-    def call(self, operation: Callable[[], T]) -> T:
-        """Run a store operation, once more after a dropped connection; wrap driver errors."""
-        return self.observed(operation, retry=True)
-
-    def observed(self, operation: Callable[[], T], *, retry: bool = False) -> T:
-        """Run ``operation``, telling :attr:`observer` (if any) how it went and how long it took.
+    def call(self, operation: Callable[[], T], *, retry: bool = True) -> T:
+        """Run a store operation, telling :attr:`observer` (if any) how it went and how long it
+        took. With ``retry`` (the default) it runs once more after a dropped connection and
+        driver errors come out as store errors; without it (a commit, a statement inside a
+        task's transaction: neither can be sent twice) ``operation`` wraps its own errors.
 
         A store error is a failure; any other exception (Fenced: the store answered) is not
         counted at all. Calls made inside it (creating the tables on first use) are part of it.
-        ``retry``: run it as :meth:`call` does (:meth:`_call_unobserved`).
+        One method, not a retrying wrapper around an observing one: it runs for every store
+        call of every delivery.
         """
         observer = self.observer
         observing = self._observing
@@ -502,7 +502,7 @@ class StoreEngine:
 
 
 class _Observing(threading.local):
-    """Per thread: whether a store call is being observed (:meth:`StoreEngine.observed`). A
+    """Per thread: whether a store call is being observed (:meth:`StoreEngine.call`). A
     class default, so that the check before every store call is an attribute read."""
 
     active = False

@@ -149,7 +149,7 @@ class Keys:
                     return rows[0], True
             return only_row(db.execute_hot(_claim_statement(*variant), parameters)[0]), False
 
-        row, new = db.observed(claim, retry=True)  # call(), one frame less: every delivery
+        row, new = db.call(claim)
         if new:
             return ClaimResult(
                 outcome=ClaimOutcome.CLAIMED,
@@ -179,13 +179,13 @@ class Keys:
         db = self.db
         statement, parameters = completion(key, token, result, retention)
         if connection is not None and db.dialect_name == "postgresql":
-            rowcount = db.observed(
-                lambda: db.execute_in_transaction(connection, statement, parameters)
+            rowcount = db.call(
+                lambda: db.execute_in_transaction(connection, statement, parameters), retry=False
             )
         elif connection is not None:
             rowcount = db.call(lambda: connection.execute(statement, parameters).rowcount)
         else:
-            rowcount = db.observed(lambda: db.execute_hot(statement, parameters), retry=True)[1]
+            rowcount = db.call(lambda: db.execute_hot(statement, parameters))[1]
         if rowcount == 1:
             return
         if connection is None:
@@ -251,9 +251,7 @@ class Keys:
         if db.budget == "child" and db.dialect_name == "postgresql":
             # The connection the claim ran on, out of autocommit until the loan ends: a pool
             # process holds one connection in all (docs/design.md).
-            connection = db.observed(
-                lambda: db.lend(engine, transaction=True, on_boundary=on_boundary), retry=True
-            )
+            connection = db.call(lambda: db.lend(engine, transaction=True, on_boundary=on_boundary))
         if connection is None:
             connection = db.call(lambda: db.connect(engine, on_boundary))
         return connection
