@@ -79,17 +79,18 @@ def broker_messages(broker: redis.Redis) -> Counter[tuple[str, int]]:
     return found
 
 
-def consumed_queues(client: Celery) -> list[str] | None:
-    """The queues the (only) worker consumes from, or ``None`` when it did not answer."""
-    replies = client.control.inspect(timeout=1.5).active_queues() or {}
+def consumed_queues(client: Celery, worker: WorkerProcess) -> list[str] | None:
+    """The queues ``worker`` consumes from, or ``None`` when it did not answer."""
+    replies = client.control.inspect([worker.node_name], timeout=3).active_queues() or {}
     if len(replies) != 1:
         return None
     (queues,) = replies.values()
     return [queue["name"] for queue in queues]
 
 
-def pool_processes(client: Celery) -> int | None:
-    replies = client.control.inspect(timeout=1.5).stats() or {}
+def pool_processes(client: Celery, worker: WorkerProcess) -> int | None:
+    """How many pool processes ``worker`` runs, or ``None`` when it did not answer."""
+    replies = client.control.inspect([worker.node_name], timeout=3).stats() or {}
     if len(replies) != 1:
         return None
     (stats,) = replies.values()
@@ -156,7 +157,9 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
             "the circuit opened after the countdown tasks came due: lengthen the countdown"
         )
         assert "store calls failed" in log()
-        wait_until(lambda: consumed_queues(client) == [], timeout=10, what="consumption to stop")
+        wait_until(
+            lambda: consumed_queues(client, worker) == [], timeout=10, what="consumption to stop"
+        )
         # The metrics say so too: circuit open, the worker takes no new work.
         samples = scrape(metrics_port)
         assert value(samples, "celery_guard_circuit_state") == 1
@@ -183,12 +186,12 @@ def test_the_circuit_opens_while_the_store_is_down_and_every_task_still_runs_onc
         waiting_ids = {task_id for task_id, _ in after}
         assert len(waiting_ids) >= len(second) + len(later)
         assert max(deferrals for _, deferrals in after) <= 6, after
-        assert consumed_queues(client) == []
+        assert consumed_queues(client, worker) == []
 
         stoppable_postgres.restart()
         wait_until(lambda: "HALF_OPEN -> CLOSED" in log(), timeout=30, what="the circuit to close")
         wait_until(
-            lambda: consumed_queues(client) == ["celery"],
+            lambda: consumed_queues(client, worker) == ["celery"],
             timeout=10,
             what="consumption to resume",
         )
@@ -248,11 +251,15 @@ def test_in_process_pools_open_and_close_the_circuit_too(
         for name in names:
             client.send_task("shop.record", args=(name,))
         wait_until(lambda: "CLOSED -> OPEN" in log(), timeout=20, what="the circuit to open")
-        wait_until(lambda: consumed_queues(client) == [], timeout=15, what="consumption to stop")
+        wait_until(
+            lambda: consumed_queues(client, worker) == [], timeout=15, what="consumption to stop"
+        )
         stoppable_postgres.restart()
         wait_until(lambda: "HALF_OPEN -> CLOSED" in log(), timeout=30, what="the circuit to close")
         wait_until(
-            lambda: consumed_queues(client) == ["celery"], timeout=15, what="consumption to resume"
+            lambda: consumed_queues(client, worker) == ["celery"],
+            timeout=15,
+            what="consumption to resume",
         )
         wait_until(
             lambda: len(effect_counts(store_url, names)) == len(names),
@@ -296,14 +303,16 @@ def test_store_timeouts_shrink_the_pool_and_healthy_windows_grow_it_back(
     try:
         (worker,) = start_workers(1, env)  # prefork, concurrency 2
         log = worker.log_text
-        wait_until(lambda: pool_processes(client) == 2, timeout=10, what="two pool processes")
+        wait_until(
+            lambda: pool_processes(client, worker) == 2, timeout=10, what="two pool processes"
+        )
         locker = psycopg.connect(store_url.replace("+psycopg", ""), autocommit=False)
         locker.execute("LOCK TABLE celery_guard_keys IN ACCESS EXCLUSIVE MODE")
         for name in names:
             client.send_task("shop.record", args=(name,))
         wait_until(lambda: "pool shrunk to 1" in log(), timeout=20, what="the pool to shrink")
         assert "timed out" in log()
-        wait_until(lambda: pool_processes(client) == 1, timeout=15, what="one pool process")
+        wait_until(lambda: pool_processes(client, worker) == 1, timeout=15, what="one pool process")
         time.sleep(2.5)  # another window of timeouts: one process is the floor
         assert "pool shrunk to 0" not in log()
         assert effect_counts(store_url, names) == {}
@@ -312,7 +321,9 @@ def test_store_timeouts_shrink_the_pool_and_healthy_windows_grow_it_back(
         locker.close()
         locker = None
         wait_until(lambda: "pool grown to 2" in log(), timeout=20, what="the pool to grow")
-        wait_until(lambda: pool_processes(client) == 2, timeout=15, what="two pool processes")
+        wait_until(
+            lambda: pool_processes(client, worker) == 2, timeout=15, what="two pool processes"
+        )
         wait_until(
             lambda: len(effect_counts(store_url, names)) == len(names),
             timeout=40,

@@ -405,7 +405,8 @@ def test_a_task_revoked_before_it_runs(rig: Rig, tag: str) -> None:
 INSPECT = """
 import importlib, json, sys
 app = importlib.import_module(sys.argv[1]).app
-inspect = app.control.inspect(timeout=3)
+# A broadcast waits out its whole timeout; with ``limit`` it returns once both workers answered.
+inspect = app.control.inspect(timeout=10, limit=int(sys.argv[2]))
 answers = {"registered": inspect.registered(), "stats": inspect.stats(), "active": inspect.active()}
 print(json.dumps({kind: {host: bool(value) if kind == "stats" else value
                          for host, value in (answer or {}).items()}
@@ -417,7 +418,9 @@ def test_inspect_answers(rig: Rig, tag: str) -> None:
     running = {side.name: side.task("sleep").delay(8, f"{side.name}-{tag}") for side in rig.both()}
     for side in rig.both():
         wait_until(lambda side=side: count(side, "run", tag) == 1, TIMEOUT, "the sleep to start")  # type: ignore[misc]
-    answers = json.loads(_celery("", "-c", INSPECT, rig.guarded.module.__name__, env=rig.env))
+    answers = json.loads(
+        _celery("", "-c", INSPECT, rig.guarded.module.__name__, str(len(rig.both())), env=rig.env)
+    )
     for side in rig.both():
         host = next(name for name in answers["stats"] if name.startswith(f"{side.name}-"))
         assert answers["stats"][host] is True

@@ -173,6 +173,8 @@ def test_worker_runs_task_then_kill(redis_server: RedisServer, sample_app: Modul
     try:
         worker.start(timeout=60)
         assert sample_app.add.delay(2, 3).get(timeout=30) == 5
+        # The name remote control is addressed to (``%h`` expanded) is the one it runs under.
+        assert f"{worker.node_name} ready." in worker.log_text()
         children = worker.child_pids()
         assert len(children) == 2
         worker.kill()

@@ -13,6 +13,8 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
+from celery.utils.nodenames import default_nodename, host_format
+
 from . import procs
 
 _counter = itertools.count(1)
@@ -148,6 +150,15 @@ class WorkerProcess:
 
     def thaw(self) -> None:
         procs.signal_tree(self.pid, signal.SIGCONT)
+
+    @property
+    def node_name(self) -> str:
+        """The name the worker answers remote control under (``%h`` expanded, as Celery does).
+
+        Addressing an inspect call to it (``destination=[node_name]``) returns as soon as the
+        worker replies; a broadcast waits out its whole timeout for replies that never come.
+        """
+        return str(host_format(default_nodename(self.hostname)))
 
     def log_text(self) -> str:
         try:
