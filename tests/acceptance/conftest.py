@@ -20,7 +20,7 @@ from celery_guard.store import metadata as guard_metadata
 from tests.apps import shop_tables
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
-from tests.rig.workers import WorkerProcess
+from tests.rig.workers import WorkerProcess, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOP_APP = "tests.apps.shop"
@@ -125,8 +125,7 @@ def running_workers(count: int, env: dict[str, str]) -> Iterator[list[WorkerProc
     try:
         yield workers
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from tests.acceptance.test_cli import guard_ok, run_guard
 from tests.apps import shop_tables
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
-from tests.rig.workers import WorkerProcess
+from tests.rig.workers import WorkerProcess, stop_all
 
 pytestmark = pytest.mark.workers
 
@@ -113,8 +113,7 @@ def scene(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Scene
     try:
         yield scene
     finally:
-        for worker in scene.workers:
-            worker.stop()
+        stop_all(scene.workers)
         store.dispose()
         client.close()
 

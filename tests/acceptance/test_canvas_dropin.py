@@ -29,7 +29,7 @@ import celery_guard
 from tests.apps import canvas_tasks
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
-from tests.rig.workers import WorkerProcess
+from tests.rig.workers import WorkerProcess, stop_all
 
 pytestmark = pytest.mark.workers
 
@@ -105,8 +105,7 @@ def rig(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Rig]:
             Side("guarded", guarded, workers[1]),
         )
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         # Results still referenced would otherwise unsubscribe from a stopped Redis at exit.
         gc.collect()
         for name in ("tests.apps.canvas_plain", "tests.apps.canvas_guarded"):

@@ -39,7 +39,7 @@ from tests.acceptance.test_cli import guard_json
 from tests.apps.shop_producer import TASKS, producer_app
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
-from tests.rig.workers import WorkerProcess
+from tests.rig.workers import WorkerProcess, stop_all
 
 pytestmark = pytest.mark.workers
 
@@ -116,8 +116,7 @@ def scene(postgres: PostgresServer, redis_server: RedisServer) -> Iterator[Scene
     try:
         yield made
     finally:
-        for worker in made.workers:
-            worker.stop()
+        stop_all(made.workers)
         store.dispose()
         producer.close()
 

@@ -41,7 +41,7 @@ from tests.apps import shop_tables
 from tests.rig.ports import free_port
 from tests.rig.procs import log_tail, wait_until
 from tests.rig.servers import PostgresServer, RedisServer
-from tests.rig.workers import WorkerProcess
+from tests.rig.workers import WorkerProcess, stop_all
 
 pytestmark = pytest.mark.workers
 
@@ -165,8 +165,7 @@ def scene() -> Iterator[Scene]:
         try:
             yield scene
         finally:
-            for worker in scene.workers:
-                worker.stop()
+            stop_all(scene.workers)
             # An AsyncResult's __del__ unsubscribes from the result backend. A test that failed
             # with this Redis stopped keeps its results alive in its traceback, past this
             # fixture: each would retry the stopped Redis for 20 s when collected, and fail

@@ -24,7 +24,7 @@ from celery_guard.store import SqlStore
 from tests.acceptance.conftest import ROOT, effects_in, new_store_database
 from tests.rig.procs import wait_until
 from tests.rig.servers import PostgresServer, RedisServer
-from tests.rig.workers import WorkerProcess
+from tests.rig.workers import WorkerProcess, stop_all
 
 pytestmark = pytest.mark.workers
 
@@ -85,8 +85,7 @@ def scene(redis_server: RedisServer, tmp_path: Path) -> Iterator[Scene]:
     try:
         yield scene
     finally:
-        for worker in scene.workers:
-            worker.stop()
+        stop_all(scene.workers)
         client.close()
 
 

@@ -16,7 +16,7 @@ from example_project.django_shop.orders import tasks as shop_tasks
 from example_project.django_shop.orders.models import Charge, Order
 from tests.acceptance.conftest import worker_running
 from tests.rig.procs import wait_until
-from tests.rig.workers import WorkerProcess
+from tests.rig.workers import WorkerProcess, stop_all
 
 pytestmark = [pytest.mark.workers, pytest.mark.postgres, pytest.mark.redis]
 
@@ -60,7 +60,7 @@ def workers(worker_env: dict[str, str]) -> Iterator[list[WorkerProcess]]:
     finally:
         for worker in started:
             worker.thaw()
-            worker.stop()
+        stop_all(started)
 
 
 @pytest.fixture

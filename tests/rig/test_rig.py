@@ -16,7 +16,7 @@ from kombu import Connection
 
 from . import procs
 from .servers import PgBouncerServer, PostgresServer, RabbitMQServer, RedisServer
-from .workers import WorkerProcess
+from .workers import WorkerProcess, stop_all
 
 RIG_DIR = Path(__file__).resolve().parent
 
@@ -202,6 +202,23 @@ def test_worker_freeze_kill_child_and_stop(redis_server: RedisServer) -> None:
     assert worker.returncode == 0  # warm shutdown
     assert not any(map(procs.pid_alive, tree))
     assert "worker.log" in str(worker.log_path) and "ready." in worker.log_text()
+
+
+def test_stop_all_shuts_every_worker_down_warm_and_leaves_no_process(
+    redis_server: RedisServer,
+) -> None:
+    env = {"RIG_BROKER_URL": redis_server.url}
+    workers = [WorkerProcess(app="sample_app", cwd=RIG_DIR, env=env) for _ in range(2)]
+    try:
+        for worker in workers:
+            worker.start(timeout=60)
+        trees = [[worker.pid, *worker.child_pids()] for worker in workers]
+        assert stop_all(workers) == [0, 0]  # warm shutdowns, both
+        assert not any(procs.pid_alive(pid) for tree in trees for pid in tree)
+        assert stop_all(workers) == [0, 0]  # stopping a stopped worker is harmless
+    finally:
+        for worker in workers:
+            worker.cleanup()
 
 
 def test_pgbouncer_pools_transactions_in_front_of_postgres_and_stops_by_pid(

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
@@ -185,3 +186,15 @@ class WorkerProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def stop_all(workers: Iterable[WorkerProcess], timeout: float = 20) -> list[int | None]:
+    """Stop every worker by PID (:meth:`WorkerProcess.stop`), their warm shutdowns side by side.
+
+    Each shutdown spends ~2 s joining billiard's pool threads, which poll on 0.8-1 s sleeps;
+    signalled together, the workers wait them out at once instead of one after another.
+    """
+    workers = list(workers)
+    for worker in workers:
+        worker.request_warm_shutdown()
+    return [worker.stop(timeout) for worker in workers]
