@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
@@ -116,11 +118,35 @@ def test_migrate_against_an_unreachable_store_exits_non_zero_with_one_line(
 RESULT_TIMEOUT = 60
 
 
+def run_guard_each(
+    *commands: Sequence[str], env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """:func:`run_guard` for commands that change nothing and do not depend on each other, two
+    at a time (each is a Python start-up bound by CPU, on two cores); results in order."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda args: run_guard(*args, env=env or {}), commands))
+
+
+def succeeded(completed: subprocess.CompletedProcess[str]) -> str:
+    """The stdout of a guard command that must have succeeded."""
+    assert completed.returncode == 0, f"{' '.join(completed.args[5:])}: {completed.stderr}"
+    return completed.stdout
+
+
+def failed(completed: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    """The reason a guard command that must have failed with ``code`` gave on stderr."""
+    assert completed.returncode == code, (completed.returncode, completed.stdout, completed.stderr)
+    assert completed.stdout == ""
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, completed.stderr
+    if code == 1:
+        assert completed.stderr.strip() == errors[0], "one line, nothing else"
+    return errors[0]
+
+
 def guard_ok(*args: str, env: dict[str, str] | None = None) -> str:
     """Run a guard command that must succeed; its stdout."""
-    completed = run_guard(*args, env=env or {})
-    assert completed.returncode == 0, f"guard {' '.join(args)}: {completed.stderr}"
-    return completed.stdout
+    return succeeded(run_guard(*args, env=env or {}))
 
 
 def guard_json(*args: str, env: dict[str, str] | None = None) -> Any:
@@ -130,14 +156,7 @@ def guard_json(*args: str, env: dict[str, str] | None = None) -> Any:
 
 def guard_fails(*args: str, env: dict[str, str] | None = None, code: int = 1) -> str:
     """Run a guard command that must fail with ``code``; the reason it gave on stderr."""
-    completed = run_guard(*args, env=env or {})
-    assert completed.returncode == code, (completed.returncode, completed.stdout, completed.stderr)
-    assert completed.stdout == ""
-    errors = [line for line in completed.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, completed.stderr
-    if code == 1:
-        assert completed.stderr.strip() == errors[0], "one line, nothing else"
-    return errors[0]
+    return failed(run_guard(*args, env=env or {}), code)
 
 
 def iso(timestamp: float) -> str:
@@ -195,7 +214,14 @@ def check_status_and_key_show(
         lambda: store.recovery.leader("reaper") is not None, 30, "a worker's reaper to be elected"
     )
 
-    status = guard_json("status")
+    answers = run_guard_each(
+        ("status", "--json"),
+        ("status",),
+        ("key", "show", key, "--json"),
+        ("key", "show", f"record:{tag}", "--json"),
+        ("key", "show", f"record:{tag}"),
+    )
+    status = json.loads(succeeded(answers[0]))
     assert set(status["keys"]) >= {"RUNNING", "COMPLETED", "RELEASED", "DEAD"}
     assert status["keys"]["RUNNING"] >= 1 and status["keys"]["COMPLETED"] >= 1
     oldest = status["oldest_running"]
@@ -203,13 +229,13 @@ def check_status_and_key_show(
     assert status["reaper"]["live"] and status["reaper"]["holder"]
     assert status["lease_backend"] == "sql" and "@" in status["store"]
     assert status["dead_letters"]["total"] >= status["dead_letters"]["not_replayed"] >= 0
-    human = guard_ok("status")
+    human = succeeded(answers[1])
     assert "RUNNING" in human and "oldest RUNNING" in human and "dead letters" in human
 
-    held = guard_json("key", "show", key)
+    held = json.loads(succeeded(answers[2]))
     assert (held["state"], held["task"], held["claim_reason"]) == ("RUNNING", "shop.gated", "NEW")
     assert 0 < held["lease_remaining_seconds"] <= 10 and held["owner"]
-    done = guard_json("key", "show", f"record:{tag}")
+    done = json.loads(succeeded(answers[3]))
     assert (done["state"], done["task"], done["attempts"], done["fencing_token"]) == (
         "COMPLETED",
         "shop.record",
@@ -220,7 +246,7 @@ def check_status_and_key_show(
     assert done["message"]["args"] == [tag, 7] and done["message"]["task"] == "shop.record"
     assert done["completed_at"].endswith("Z") and done["retention_seconds"] == 7 * 24 * 3600
     assert done["lease_remaining_seconds"] is None
-    human = guard_ok("key", "show", f"record:{tag}")
+    human = succeeded(answers[4])
     assert "COMPLETED" in human and f"shop.record[{done['message']['id']}]" in human
 
     # Workers beat into the store every reaper interval: wait for the one running the body.
@@ -258,12 +284,22 @@ def test_dlq_list_and_show_with_filters(
             1,
         )
         assert row["replayed"] is False and row["created_at"].endswith("Z")
-    newest = guard_json("dlq", "list", "--task", "shop.reject_order", "--limit", "2")
+    letter = mine[0]
+    answers = run_guard_each(
+        ("dlq", "list", "--task", "shop.reject_order", "--limit", "2", "--json"),
+        ("dlq", "list", "--since", iso(time.time() + 3600), "--json"),
+        ("dlq", "list", "--task", "shop.reject_order", "--since", "1h"),
+        ("dlq", "show", str(letter["id"]), "--json"),
+        ("dlq", "show", str(letter["id"])),
+        ("dlq", "show", "987654321"),
+        ("dlq", "list", "--since", "yesterday"),
+        ("dlq", "list", "--limit", "0"),
+    )
+    newest = json.loads(succeeded(answers[0]))
     assert len(newest) == 2 and newest[0]["id"] > newest[1]["id"]
     assert all(row["task"] == "shop.reject_order" for row in newest)
-    future = iso(time.time() + 3600)
-    assert guard_json("dlq", "list", "--since", future) == []
-    human = guard_ok("dlq", "list", "--task", "shop.reject_order", "--since", "1h")
+    assert json.loads(succeeded(answers[1])) == []
+    human = succeeded(answers[2])
     assert human.splitlines()[0].split() == [
         "ID",
         "CREATED",
@@ -276,16 +312,15 @@ def test_dlq_list_and_show_with_filters(
     ]
     assert all(key in human for key in keys)
 
-    letter = mine[0]
-    shown = guard_json("dlq", "show", str(letter["id"]))
+    shown = json.loads(succeeded(answers[3]))
     assert shown["key"] == letter["key"] and "raise ValueError" in shown["traceback"]
     assert shown["message"]["args"] == [letter["key"].removeprefix("reject:")]
     assert "has no lines" in shown["error"]
-    human = guard_ok("dlq", "show", str(letter["id"]))
+    human = succeeded(answers[4])
     assert "raise ValueError" in human and '"task": "shop.reject_order"' in human
-    assert "unknown dead letter id" in guard_fails("dlq", "show", "987654321")
-    assert "--since" in guard_fails("dlq", "list", "--since", "yesterday", code=2)
-    assert "--limit" in guard_fails("dlq", "list", "--limit", "0", code=2)
+    assert "unknown dead letter id" in failed(answers[5])
+    assert "--since" in failed(answers[6], code=2)
+    assert "--limit" in failed(answers[7], code=2)
 
 
 @pytest.mark.workers
@@ -364,10 +399,10 @@ def test_purge_and_argument_errors(
     with pytest.raises(ValueError):
         shop.reject_order.delay(f"{tag}-new").get(timeout=RESULT_TIMEOUT)
     keys = {f"reject:{tag}-old", f"reject:{tag}-new"}
-    assert len(letters_for("shop.reject_order", keys)) == 2
-
-    (old_letter,) = [r for r in letters_for("shop.reject_order", keys) if "old" in r["key"]]
-    (new_letter,) = [r for r in letters_for("shop.reject_order", keys) if "new" in r["key"]]
+    letters = letters_for("shop.reject_order", keys)
+    assert len(letters) == 2
+    (old_letter,) = [r for r in letters if "old" in r["key"]]
+    (new_letter,) = [r for r in letters if "new" in r["key"]]
     assert {old_letter["id"], new_letter["id"]} <= queued_letter_ids(shop)
 
     purged = guard_json("dlq", "purge", "--before", iso(cutoff))
@@ -379,11 +414,18 @@ def test_purge_and_argument_errors(
     assert old_letter["id"] not in in_queue and new_letter["id"] in in_queue
     assert guard_ok("dlq", "purge", "--before", "30d").startswith("deleted 0 dead letter(s)")
 
-    assert "unknown dead letter id" in guard_fails("dlq", "replay", "987654321")
-    assert "not both" in guard_fails("dlq", "replay", "1", "--all", code=2)
-    assert "give a dead letter ID" in guard_fails("dlq", "replay", code=2)
-    assert "--task" in guard_fails("dlq", "replay", "--all", code=2)
-    assert "--before" in guard_fails("dlq", "purge", "--before", "soon", code=2)
+    unknown, both, neither, no_task, bad_before = run_guard_each(
+        ("dlq", "replay", "987654321"),
+        ("dlq", "replay", "1", "--all"),
+        ("dlq", "replay"),
+        ("dlq", "replay", "--all"),
+        ("dlq", "purge", "--before", "soon"),
+    )
+    assert "unknown dead letter id" in failed(unknown)
+    assert "not both" in failed(both, code=2)
+    assert "give a dead letter ID" in failed(neither, code=2)
+    assert "--task" in failed(no_task, code=2)
+    assert "--before" in failed(bad_before, code=2)
 
 
 def test_prune_deletes_completed_keys_past_their_retention(
