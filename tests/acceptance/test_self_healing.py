@@ -38,7 +38,8 @@ REAPER_INTERVAL = 0.5
 #: back (kombu's Redis transport hands an unacknowledged message out again once it is older
 #: than this; tests/apps/shop.py sweeps for them every second). It must outlast the reaper's
 #: recovery, or a test would see the broker recover the key instead of the reaper; recovery
-#: takes 2-3 s here, on a loaded host too, so 15 s leaves room and costs no 30 s wait.
+#: takes 2-3 s here, on a loaded host too, so 15 s leaves room; the test waits for that
+#: redelivery, so every second more is a second more of the suite.
 VISIBILITY_TIMEOUT = 15.0
 
 
