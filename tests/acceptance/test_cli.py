@@ -6,13 +6,13 @@ of their own (prune, Redis leases) create a fresh PostgreSQL database.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
@@ -37,7 +37,7 @@ from tests.acceptance.conftest import (
     wait_for_key_state,
 )
 from tests.acceptance.test_failure_policy import drain_dead_letter_queue
-from tests.rig.procs import wait_until
+from tests.rig.procs import side_by_side, wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess
 
@@ -121,10 +121,9 @@ RESULT_TIMEOUT = 60
 def run_guard_each(
     *commands: Sequence[str], env: dict[str, str] | None = None
 ) -> list[subprocess.CompletedProcess[str]]:
-    """:func:`run_guard` for commands that change nothing and do not depend on each other, two
-    at a time (each is a Python start-up bound by CPU, on two cores); results in order."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(lambda args: run_guard(*args, env=env or {}), commands))
+    """:func:`run_guard` for commands that change nothing and do not depend on each other, side
+    by side (:func:`tests.rig.procs.side_by_side`); results in order."""
+    return side_by_side(functools.partial(run_guard, *args, env=env or {}) for args in commands)
 
 
 def succeeded(completed: subprocess.CompletedProcess[str]) -> str:

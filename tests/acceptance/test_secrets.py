@@ -12,6 +12,7 @@ worker logs at DEBUG, the most talkative level.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -22,7 +23,6 @@ import urllib.request
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -39,7 +39,7 @@ from celery_guard.store import metadata as guard_metadata
 from tests.acceptance.conftest import ROOT, SHOP_APP, start_workers
 from tests.apps import shop_tables
 from tests.rig.ports import free_port
-from tests.rig.procs import log_tail, wait_until
+from tests.rig.procs import log_tail, side_by_side, wait_until
 from tests.rig.servers import PostgresServer, RedisServer
 from tests.rig.workers import WorkerProcess, stop_all
 
@@ -113,10 +113,9 @@ class Scene:
     def cli_each(
         self, calls: Sequence[tuple[Sequence[str], dict[str, str] | None]]
     ) -> list[subprocess.CompletedProcess[str]]:
-        """:meth:`cli` for ``(args, env)`` calls that do not depend on each other, two at a
-        time (each is a Python start-up bound by CPU, on two cores); results in order."""
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            return list(pool.map(lambda call: self.cli(*call[0], env=call[1]), calls))
+        """:meth:`cli` for ``(args, env)`` calls that do not depend on each other, side by
+        side (:func:`tests.rig.procs.side_by_side`); results in order."""
+        return side_by_side(functools.partial(self.cli, *args, env=env) for args, env in calls)
 
     def scrape(self) -> str:
         port = self.env["CG_METRICS_PORT"]

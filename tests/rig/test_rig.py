@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -253,3 +254,16 @@ def test_a_failed_tests_report_names_the_workers_its_fixtures_hand_it() -> None:
     )
     assert workers_of(item) == [one, two, three]  # type: ignore[arg-type]
     assert workers_of(SimpleNamespace()) == []  # type: ignore[arg-type]
+
+
+def test_side_by_side_runs_two_calls_at_once_and_keeps_their_order() -> None:
+    # Each call waits for another at the barrier: one at a time, the first would time out.
+    barrier = threading.Barrier(2, timeout=10)
+
+    def call(value: int) -> int:
+        barrier.wait()
+        return value
+
+    assert procs.side_by_side(
+        [lambda: call(1), lambda: call(2), lambda: call(3), lambda: call(4)]
+    ) == [1, 2, 3, 4]
