@@ -7,7 +7,7 @@ import importlib
 import marshal
 from pathlib import Path
 
-from bench import overhead, peers, pool_cost, run_all
+from bench import instructions, overhead, peers, pool_cost, run_all
 
 
 def test_run_all_finds_every_benchmark_in_bench_and_skips_app_modules() -> None:
@@ -144,3 +144,17 @@ def test_pool_cost_matches_a_builtin_across_workers_whatever_its_address(tmp_pat
     assert floor["<built-in method __new__ of type object>"] == 4.0
     assert guarded["<built-in method __new__ of type object>"] == 4.0
     assert guarded["engine.py:459(observed)"] - floor["engine.py:459(observed)"] == 2.0
+
+
+def test_instructions_table_gives_ratios_to_plain_and_floor_and_the_excess() -> None:
+    counts = {("noop", "plain"): 800_000.0, ("noop", "floor"): 1_000_000.0}
+    counts["noop", "guarded"] = 1_250_000.0
+    args = argparse.Namespace(low=20, high=120, settings="fast")
+    text = instructions.render(
+        counts, ("noop",), ("plain", "floor", "guarded"), args, "bench/instructions.py", 9.0
+    )
+    assert text.startswith(instructions.HEADING + "\n")
+    assert "| noop | guarded | 1250.0 | 1.56 | 1.25 | +250.0 |" in text
+    assert "| noop | floor | 1000.0 | 1.25 | 1.00 |  |" in text
+    assert "100 tasks between" in text
+    assert "instructions" not in run_all.benchmarks()  # by hand: valgrind, not make bench
