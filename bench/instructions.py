@@ -56,6 +56,11 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {','.join(VARIANTS)}")
     parser.add_argument("--settings", choices=("durable", "fast"), default="fast")
+    parser.add_argument(
+        "--guard-conf",
+        default="",
+        help="celery_guard settings for the runs, as JSON ('{\"guard_lease_ttl\": 600}')",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown file to write to")
     parser.add_argument(
         "--child", nargs=3, metavar=("TASK", "TASKS", "FIRST_ROW"), help=argparse.SUPPRESS
@@ -75,7 +80,9 @@ def main() -> None:
         raise SystemExit("valgrind is missing: apt-get install valgrind")
     command = shlex.join([os.path.relpath(sys.executable, ROOT), *sys.argv])
     started = time.monotonic()
-    counts = measure(kinds, variants, args.low, args.high, args.settings == "durable")
+    counts = measure(
+        kinds, variants, args.low, args.high, args.settings == "durable", args.guard_conf
+    )
     section = render(counts, kinds, variants, args, command, time.monotonic() - started)
 
     from bench.overhead import publish_section
@@ -84,7 +91,12 @@ def main() -> None:
 
 
 def measure(
-    kinds: tuple[str, ...], variants: tuple[str, ...], low: int, high: int, durable: bool
+    kinds: tuple[str, ...],
+    variants: tuple[str, ...],
+    low: int,
+    high: int,
+    durable: bool,
+    guard_conf: str = "",
 ) -> dict[tuple[str, str], float]:
     """Instructions per task by (kind, variant)."""
     import sqlalchemy
@@ -100,7 +112,7 @@ def measure(
             "BENCH_BROKER_URL": redis.url_for(0),
             "BENCH_REDIS_URL": redis.url_for(1),
             "BENCH_STORE_URL": postgres.url,
-            "BENCH_GUARD_CONF": "",
+            "BENCH_GUARD_CONF": guard_conf,
             "PYTHONHASHSEED": "0",
         }
         os.environ.update(env)
@@ -191,7 +203,7 @@ def render(
         "headers as `apply_async` stamps it, Celery's tracer); without the worker's main "
         "process, the kernel, the servers or any wait. Deterministic: the same tree gives "
         "the same figure to about 0.2% for plain Celery and the floor and to about 2% for "
-        "GuardedTask, whose heartbeat and watchdog threads work per second, not per task.",
+        "GuardedTask between runs of different lengths (compare runs of the same lengths).",
         "",
         "| Task | Variant | k instructions/task | To plain | To floor | Above floor (k) |",
         "|---|---|---:|---:|---:|---:|",
