@@ -184,9 +184,18 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def terminate_tree(
-    proc: subprocess.Popen[bytes], sig: int, timeout: float, kill_timeout: float = 10
+    proc: subprocess.Popen[bytes],
+    sig: int,
+    timeout: float,
+    kill_timeout: float = 10,
+    *,
+    already_signalled: bool = False,
 ) -> None:
     """Send ``sig`` to the leader, wait ``timeout`` s, then SIGKILL the group and descendants.
+
+    ``already_signalled``: the caller sent ``sig`` itself; it is not sent again (a second
+    SIGTERM can reach a Celery worker after its warm shutdown restored the default handler,
+    and kill it with -15 instead of letting it exit 0).
 
     Leftovers (orphaned children of a dead leader, still in its group or known from a
     snapshot taken before signalling) are killed too, and we wait (bounded) until none is
@@ -196,7 +205,8 @@ def terminate_tree(
     tree = descendants(pgid)
     signal_tree(pgid, signal.SIGCONT)  # a frozen process cannot handle ``sig``
     if proc.poll() is None:
-        _kill(pgid, sig)
+        if not already_signalled:
+            _kill(pgid, sig)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -55,6 +55,8 @@ class WorkerProcess:
         procs.remove_at_exit(self._tmp)
         self.log_path = self._tmp / "worker.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        #: request_warm_shutdown sent SIGTERM already: stop() waits for it, sends none again.
+        self._warm_requested = False
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "celery", "-A", self.app, "worker"]
@@ -123,7 +125,9 @@ class WorkerProcess:
         """
         code = None
         if self._proc is not None:
-            procs.terminate_tree(self._proc, signal.SIGTERM, timeout)
+            procs.terminate_tree(
+                self._proc, signal.SIGTERM, timeout, already_signalled=self._warm_requested
+            )
             code = self._proc.returncode
         procs.unregister(self)
         return code
@@ -132,6 +136,7 @@ class WorkerProcess:
         """Send SIGTERM to the main process and return at once (``stop()`` then waits)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
+            self._warm_requested = True
 
     def kill(self) -> None:
         """SIGKILL the main process and all pool children at once (simulates a crash/OOM)."""
