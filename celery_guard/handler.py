@@ -45,17 +45,39 @@ MAX_ERROR_TEXT = 2000
 
 
 @dataclass(frozen=True, kw_only=True)
+class TaskTerms:
+    """What every delivery of one task shares: built once per task and configuration
+    (``GuardedTask``), as Celery's tracer reads a task's options once when it is built."""
+
+    task_name: str
+    #: Seconds a COMPLETED key keeps deduplicating (``None``: until pruned).
+    retention: float | None
+    #: Progress mode: seconds without ``self.guard.progress()`` before renewal stops.
+    progress_timeout: float | None = None
+    #: Classifies the task's errors (``GuardedTask.classify_error``).
+    classify: Callable[[BaseException], ErrorClass] = ErrorPolicy().classify
+    #: Executions a key may have before it is dead-lettered (``guard_max_attempts``, or the
+    #: task's ``max_attempts``).
+    max_attempts: int = 5
+    #: Exceptions Celery's own ``autoretry_for`` retries for this task: when one escapes the
+    #: body, Celery's retries are spent, so it is dead-lettered rather than retried again.
+    celery_retries_for: tuple[type[BaseException], ...] = ()
+    #: Result to the store's JSON text and back (``GuardedTask`` prepares results as the
+    #: app's result backend does: ``serialization.ResultCodec``).
+    encode_result: Callable[[Any], str] = serialization.dumps
+    decode_result: Callable[[str], Any] = serialization.loads
+
+
+@dataclass(frozen=True, kw_only=True)
 class Delivery:
     """One delivery of a task message, as the handler needs it."""
 
-    task_name: str
+    terms: TaskTerms
     key: str
     key_source: KeySource
     fingerprint: str | None
     #: JSON text of what re-publishing the task needs, or ``None``.
     message: str | None
-    #: Seconds a COMPLETED key keeps deduplicating (``None``: until pruned).
-    retention: float | None
     owner: str
     #: How many times this message was already deferred (drives the deferral backoff).
     deferrals: int = 0
@@ -64,24 +86,14 @@ class Delivery:
     first_delivery: bool = True
     #: Seconds after which the lease stops being renewed (``None``: no deadline).
     hard_deadline: float | None = None
-    #: Progress mode: seconds without ``self.guard.progress()`` before renewal stops.
-    progress_timeout: float | None = None
     #: The Celery task id (for dead letters).
     task_id: str | None = None
-    #: Classifies the task's errors (``GuardedTask.classify_error``).
-    classify: Callable[[BaseException], ErrorClass] = ErrorPolicy().classify
-    #: Executions the key may have before it is dead-lettered.
+    #: Executions the key may have before this delivery dead-letters it: the task's limit,
+    #: plus the retries its body asked Celery for (those are Celery's, bounded by max_retries).
     max_attempts: int = 5
-    #: Exceptions Celery's own ``autoretry_for`` retries for this task: when one escapes the
-    #: body, Celery's retries are spent, so it is dead-lettered rather than retried again.
-    celery_retries_for: tuple[type[BaseException], ...] = ()
     #: When the message became due: its publish time (``guard_published_at`` header, epoch
     #: seconds) or its ETA if later. ``None`` when unknown.
     due_at: float | None = None
-    #: Result to the store's JSON text and back (``GuardedTask`` prepares results as the
-    #: app's result backend does: ``serialization.ResultCodec``).
-    encode_result: Callable[[Any], str] = serialization.dumps
-    decode_result: Callable[[str], Any] = serialization.loads
 
 
 class RetryLater(GuardError):
@@ -190,7 +202,7 @@ class GuardHandler:
             claim = self.store.claim(
                 ClaimRequest(
                     key=delivery.key,
-                    task_name=delivery.task_name,
+                    task_name=delivery.terms.task_name,
                     fingerprint=delivery.fingerprint,
                     check_fingerprint=delivery.key_source is not KeySource.TASK_ID,
                     owner=delivery.owner,
@@ -220,10 +232,12 @@ class GuardHandler:
             )
         if claim.outcome is ClaimOutcome.CONFLICT:
             self._emit(task, delivery.key, signals.PAYLOAD_CONFLICT)
-            raise IdempotencyConflict(delivery.key, record.task_name, delivery.task_name)
+            raise IdempotencyConflict(delivery.key, record.task_name, delivery.terms.task_name)
         if claim.outcome is ClaimOutcome.DUPLICATE:
             self._emit(task, delivery.key, signals.DUPLICATE_PREVENTED, record.fencing_token)
-            return delivery.decode_result(record.result) if record.result is not None else None
+            return (
+                delivery.terms.decode_result(record.result) if record.result is not None else None
+            )
         if claim.outcome is ClaimOutcome.IN_FLIGHT:
             self._emit(task, delivery.key, signals.IN_FLIGHT_DEFERRED, record.fencing_token)
             countdown = self._in_flight_backoff(claim.lease_remaining, delivery.deferrals)
@@ -258,7 +272,7 @@ class GuardHandler:
             handle=acquisition.handle,
             ttl=self.lease_ttl,
             hard_deadline=delivery.hard_deadline,
-            progress_timeout=delivery.progress_timeout,
+            progress_timeout=delivery.terms.progress_timeout,
             on_fence=self._lease_lost,
         )
         execution = Execution(
@@ -286,7 +300,7 @@ class GuardHandler:
             queue_lag=None if delivery.due_at is None else max(0.0, time.time() - delivery.due_at),
         )
         lease.description = {
-            "task": delivery.task_name,
+            "task": delivery.terms.task_name,
             "task_id": delivery.task_id,
             "owner": delivery.owner,
             "attempts": record.attempts,
@@ -330,12 +344,12 @@ class GuardHandler:
                 return self._winner_result(delivery)
             raise
         try:
-            result = delivery.encode_result(value)
+            result = delivery.terms.encode_result(value)
         except (TypeError, ValueError) as exc:
             execution.abort()
             error = ResultNotSerializable(
-                f"{delivery.task_name} returned {type(value).__name__}, which cannot be stored "
-                f"as JSON; nothing was committed ({exc})"
+                f"{delivery.terms.task_name} returned {type(value).__name__}, which cannot be "
+                f"stored as JSON; nothing was committed ({exc})"
             )
             self._fail(task, delivery, execution, error)
             raise error from exc
@@ -343,13 +357,13 @@ class GuardHandler:
         if size is not None:
             execution.abort()
             error = ResultTooLarge(
-                f"{delivery.task_name} returned {size} bytes of JSON, more than "
+                f"{delivery.terms.task_name} returned {size} bytes of JSON, more than "
                 f"guard_max_payload_bytes ({self.max_payload_bytes}); nothing was committed"
             )
             self._fail(task, delivery, execution, error)
             raise error
         try:
-            execution.finish(result, delivery.retention)
+            execution.finish(result, delivery.terms.retention)
         except Fenced:
             self._emit(
                 task,
@@ -407,8 +421,8 @@ class GuardHandler:
             # Coordination: not the task's fault, and no attempt is charged to the policy.
             self._release(task, execution, exc)
             raise DeliveryDeferred(str(exc), self._store_backoff(delivery.deferrals)) from exc
-        error_class = delivery.classify(exc)
-        if delivery.celery_retries_for and isinstance(exc, delivery.celery_retries_for):
+        error_class = delivery.terms.classify(exc)
+        if delivery.terms.celery_retries_for and isinstance(exc, delivery.terms.celery_retries_for):
             decision = Decision(
                 "dead_letter", error_class, reason="Celery's own retries (autoretry_for) are spent"
             )
@@ -464,7 +478,7 @@ class GuardHandler:
     ) -> None:
         letter = DeadLetter(
             key=delivery.key,
-            task_name=delivery.task_name,
+            task_name=delivery.terms.task_name,
             task_id=delivery.task_id,
             message=delivery.message,
             error_class=error_class,
@@ -529,7 +543,7 @@ class GuardHandler:
         except StoreError:
             record = None
         if record is not None and record.state == COMPLETED_STATE and record.result is not None:
-            return delivery.decode_result(record.result)
+            return delivery.terms.decode_result(record.result)
         raise DeliveryDeferred(
             f"key {delivery.key!r}: this execution was fenced, a newer owner runs it",
             self._in_flight_backoff(self.lease_ttl, delivery.deferrals),

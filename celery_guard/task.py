@@ -26,7 +26,14 @@ from celery_guard.errors import (
     StoreError,
 )
 from celery_guard.execution import Execution
-from celery_guard.handler import Delivery, DeliveryDeferred, GuardHandler, RetryLater, oversize
+from celery_guard.handler import (
+    Delivery,
+    DeliveryDeferred,
+    GuardHandler,
+    RetryLater,
+    TaskTerms,
+    oversize,
+)
 from celery_guard.keys import (
     HEADER_KEY,
     HEADER_KEY_SOURCE,
@@ -154,6 +161,7 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
     #: the app's ``task_cls`` too; they run unguarded, as in plain Celery (no claim per poll).
     guarded: ClassVar[bool] = True
     _result_codec: ResultCodec | None = None
+    _task_terms: tuple[GuardConfig, TaskTerms] | None = None
 
     idempotency_key: ClassVar[KeyOption] = None
     idempotency_ttl: ClassVar[Any] = _UNSET
@@ -449,29 +457,21 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 request.id,
             )
             message = None
-        retention = self.idempotency_ttl
-        progress_timeout = self.progress_timeout
         deferrals = int(headers.get(HEADER_DEFERRALS) or 0)
         hard_limit = (request.timelimit or (None, None))[0] or self.time_limit
-        results = self._results
+        terms = self._terms(config)
         return Delivery(
-            task_name=self.name,
+            terms=terms,
             key=key,
             key_source=source,
             fingerprint=None if payload is None else payload.fingerprint,
             message=message,
-            retention=config.result_ttl if retention is _UNSET else retention,
             hard_deadline=config.hard_deadline or hard_limit or None,
-            progress_timeout=(
-                config.progress_timeout if progress_timeout is _UNSET else progress_timeout
-            ),
             task_id=request.id,
-            classify=self._classify,
             # Retries the body asked for are Celery's (bounded by max_retries): each is an
             # attempt in the store, but not one guard_max_attempts may stop.
-            max_attempts=(config.max_attempts if self.max_attempts is _UNSET else self.max_attempts)
+            max_attempts=terms.max_attempts
             + max(0, (request.retries or 0) - _guard_retries(request, headers)),
-            celery_retries_for=tuple(getattr(self, "autoretry_for", ()) or ()),
             owner=_owner(request.hostname),
             deferrals=deferrals,
             # AMQP brokers flag a message they deliver again; a retry or a deferral is a new
@@ -480,9 +480,33 @@ class GuardedTask(Task):  # type: ignore[misc]  # celery ships no type informati
                 request.retries or deferrals or (request.delivery_info or {}).get("redelivered")
             ),
             due_at=_due_at(request, headers),
+        )
+
+    def _terms(self, config: GuardConfig) -> TaskTerms:
+        """What every delivery of this task shares, built at its first delivery under
+        ``config``: as Celery's tracer, which reads a task's options once when it is built
+        (celery/app/trace.py ``build_tracer``), later changes to the task's attributes do not
+        reach a worker that has run it."""
+        cached = self._task_terms
+        if cached is not None and cached[0] is config:
+            return cached[1]
+        retention = self.idempotency_ttl
+        progress_timeout = self.progress_timeout
+        results = self._results
+        terms = TaskTerms(
+            task_name=self.name,
+            retention=config.result_ttl if retention is _UNSET else retention,
+            progress_timeout=(
+                config.progress_timeout if progress_timeout is _UNSET else progress_timeout
+            ),
+            classify=self._classify,
+            max_attempts=config.max_attempts if self.max_attempts is _UNSET else self.max_attempts,
+            celery_retries_for=tuple(getattr(self, "autoretry_for", ()) or ()),
             encode_result=results.dumps,
             decode_result=results.loads,
         )
+        self._task_terms = (config, terms)
+        return terms
 
     @property
     def _results(self) -> ResultCodec:

@@ -5,6 +5,7 @@ both, and the key's row, for every branch of claim -> run -> complete / fail.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,13 @@ from celery_guard.errors import (
     TransactionMisuse,
 )
 from celery_guard.execution import Execution
-from celery_guard.handler import Delivery, DeliveryDeferred, GuardHandler, RetryLater
+from celery_guard.handler import (
+    Delivery,
+    DeliveryDeferred,
+    GuardHandler,
+    RetryLater,
+    TaskTerms,
+)
 from celery_guard.keys import KeySource
 from celery_guard.lease.backends import SqlLeases
 from celery_guard.lease.heartbeat import Heartbeat
@@ -72,17 +79,23 @@ def outcomes() -> Iterator[list[str]]:
     signals.outcome.disconnect(record)
 
 
+#: The Delivery options that are the task's (``TaskTerms``), not the message's.
+_TERMS = frozenset(field.name for field in dataclasses.fields(TaskTerms))
+
+
 def delivery(key: str = "k", fingerprint: str | None = "fp", **options: Any) -> Delivery:
+    terms = {name: options.pop(name) for name in list(options) if name in _TERMS}
     return Delivery(
-        task_name="tests.unit.task",
+        terms=TaskTerms(
+            task_name="tests.unit.task", retention=3600.0, **{"max_attempts": 5, **terms}
+        ),
         key=key,
         key_source=KeySource.OPTION,
         fingerprint=fingerprint,
         message='{"id": "task-1"}',
-        retention=3600.0,
         owner="host/1",
         task_id="task-1",
-        **options,
+        **{"max_attempts": terms.get("max_attempts", 5), **options},
     )
 
 
