@@ -25,7 +25,9 @@ class WorkerState(str, enum.Enum):
     STOPPED = "STOPPED"
 
 
-_ROUTINE = {WorkerState.READY, WorkerState.PROCESSING}
+#: The two states every delivery moves between (a tuple: membership by identity first, where
+#: a set would call the str-enum's Python ``__hash__`` twice per transition).
+_ROUTINE = (WorkerState.READY, WorkerState.PROCESSING)
 
 
 class StateTracker:
@@ -52,19 +54,19 @@ class StateTracker:
     def execution_started(self, key: str, token: int) -> None:
         with self._lock:
             self._running += 1
-            self._settle(key=key, token=token)
+            self._settle(key, token)
 
     def execution_fenced(self, key: str, token: int) -> None:
         with self._lock:
             self._fenced.add((key, token))
-            self._settle(key=key, token=token)
+            self._settle(key, token)
 
     def execution_ended(self, key: str, token: int, fenced: bool) -> None:
         with self._lock:
             self._running = max(0, self._running - 1)
             # Whatever the heartbeat thread decided meanwhile, this execution is over.
             self._fenced.discard((key, token))
-            self._settle(key=key, token=token)
+            self._settle(key, token)
 
     def set_lifecycle(self, state: WorkerState, reason: str) -> None:
         with self._lock:
@@ -77,33 +79,33 @@ class StateTracker:
             self._lifecycle = None
             self._settle(reason="worker started")
 
-    def _settle(self, **context: object) -> None:
+    def _settle(
+        self, key: str | None = None, token: int | None = None, reason: str | None = None
+    ) -> None:
         # Under the lock, so receivers see the changes in the order they happened.
         fenced = len(self._fenced)
         changed = signals.executions_changed
         if changed.recorders or changed.receivers:  # none of celery_guard's: twice per delivery
-            signals.executions_changed.send(None, running=self._running, fenced=fenced)
+            changed.send(None, running=self._running, fenced=fenced)
         if fenced != self._fenced_told:
             # Rare (a lease lost while its body runs), unlike the two changes of every
             # delivery above: what the worker's main process reads from its children.
             self._fenced_told = fenced
             signals.executions_fenced.send(None, fenced=fenced)
+        old = self.state
         new = combine_state(self._lifecycle, self._running, fenced)
-        if new is not self.state:
-            # READY <-> PROCESSING happens twice per task: at INFO it would double a worker's
-            # log volume (Celery already logs each task received and done). The
-            # celery_guard_worker_state gauge shows it; the rarer transitions stay at INFO.
-            level = logging.DEBUG if {self.state, new} == _ROUTINE else logging.INFO
-            if logger.isEnabledFor(level):
-                details = " ".join(f"{name}={value}" for name, value in context.items())
-                logger.log(
-                    level,
-                    "celery_guard worker state %s -> %s %s",
-                    self.state.value,
-                    new.value,
-                    details,
-                )
-            self.state = new
+        if new is old:
+            return
+        self.state = new
+        # READY <-> PROCESSING happens twice per task: at INFO it would double a worker's
+        # log volume (Celery already logs each task received and done). The
+        # celery_guard_worker_state gauge shows it; the rarer transitions stay at INFO.
+        level = logging.DEBUG if old in _ROUTINE and new in _ROUTINE else logging.INFO
+        if logger.isEnabledFor(level):
+            details = f"reason={reason}" if reason is not None else f"key={key} token={token}"
+            logger.log(
+                level, "celery_guard worker state %s -> %s %s", old.value, new.value, details
+            )
 
 
 def combine_state(lifecycle: WorkerState | None, running: int, fenced: int) -> WorkerState:
