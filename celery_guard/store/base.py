@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, RootTransaction
 
@@ -86,7 +86,27 @@ class KeyRecord:
 
     @classmethod
     def from_mapping(cls, row: Any) -> KeyRecord:
-        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+        return assembled(cls, {name: row[name] for name in _KEY_RECORD_FIELDS})
+
+
+_KEY_RECORD_FIELDS = tuple(KeyRecord.__dataclass_fields__)
+
+_Record = TypeVar("_Record")
+
+
+def assembled(cls: type[_Record], values: dict[str, Any]) -> _Record:
+    """The instance of the frozen dataclass ``cls`` that ``cls(**values)`` builds, ``values``
+    naming every field, set in one step.
+
+    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``; for the
+    twenty columns of a key's row, built at every claim, that was the largest single piece of
+    a claim's own Python work (bench/instructions.py). Only for records without ``__slots__``,
+    ``__post_init__`` or field converters, as those here: tests/unit/test_store_records.py
+    checks that it builds what the constructor builds.
+    """
+    record: _Record = object.__new__(cls)
+    record.__dict__.update(values)
+    return record
 
 
 @dataclass(frozen=True, kw_only=True)

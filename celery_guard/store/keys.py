@@ -46,6 +46,7 @@ from celery_guard.store.base import (
     DeadLetter,
     DeadLetterStore,
     KeyRecord,
+    assembled,
 )
 from celery_guard.store.engine import StoreEngine, only_row
 from celery_guard.store.queries import texts
@@ -343,27 +344,30 @@ _NEW = ClaimReason.NEW.value
 def _new_record(request: ClaimRequest, claim_id: str, row: dict[str, Any]) -> KeyRecord:
     """The row ``claim_new`` inserted: the request's values, and the database's token and
     times (what the upsert would have returned for it)."""
-    return KeyRecord(
-        key=request.key,
-        task_name=request.task_name,
-        state=RUNNING,
-        attempts=1,
-        fencing_token=row["fencing_token"],
-        lease_expires_at=row["lease_expires_at"],
-        owner=request.owner,
-        owner_lock=request.owner_lock,
-        claim_id=claim_id,
-        claim_reason=_NEW,
-        fingerprint=request.fingerprint,
-        message=None,
-        result=None,
-        last_error=None,
-        duplicates=0,
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        completed_at=None,
-        expires_at=None,
-        republished_at=None,
+    return assembled(
+        KeyRecord,
+        {
+            "key": request.key,
+            "task_name": request.task_name,
+            "state": RUNNING,
+            "attempts": 1,
+            "fencing_token": row["fencing_token"],
+            "lease_expires_at": row["lease_expires_at"],
+            "owner": request.owner,
+            "owner_lock": request.owner_lock,
+            "claim_id": claim_id,
+            "claim_reason": _NEW,
+            "fingerprint": request.fingerprint,
+            "message": None,
+            "result": None,
+            "last_error": None,
+            "duplicates": 0,
+            "created_at": row["created_at"],
+            "updated_at": row["updated_at"],
+            "completed_at": None,
+            "expires_at": None,
+            "republished_at": None,
+        },
     )
 
 
