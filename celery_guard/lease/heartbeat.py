@@ -212,27 +212,31 @@ class Heartbeat:
                 signals.lease_renewal_failed.send(None, reason="lost")
 
     def _ensure_thread(self) -> None:
+        # The thread clears its generation as it ends: checked here per delivery instead of
+        # Thread.is_alive() (a lock probe in Python). A forked child has a new generation and
+        # no thread, so it starts its own.
         generation = forks.current
-        if (
-            self._thread is not None
-            and self._thread_generation == generation
-            and self._thread.is_alive()
-        ):
+        if self._thread_generation == generation:
             return
-        self._thread = threading.Thread(
-            target=self._run, name="celery_guard-heartbeat", daemon=True
+        thread = threading.Thread(
+            target=self._run, args=(generation,), name="celery_guard-heartbeat", daemon=True
         )
+        thread.start()
+        self._thread = thread
         self._thread_generation = generation
-        self._thread.start()
 
     def stop(self) -> None:
         """End this process's heartbeat thread (process shutdown)."""
         self._stopped.set()
 
-    def _run(self) -> None:
+    def _run(self, generation: int) -> None:
         # Daemon thread: it ends with the process; a killed process's leases simply expire.
-        while not self._stopped.wait(self.interval):
-            try:
-                self.beat()
-            except Exception:  # keep renewing the others whatever one round hit
-                logger.exception("celery_guard heartbeat round failed")
+        try:
+            while not self._stopped.wait(self.interval):
+                try:
+                    self.beat()
+                except Exception:  # keep renewing the others whatever one round hit
+                    logger.exception("celery_guard heartbeat round failed")
+        finally:
+            if self._thread_generation == generation:
+                self._thread_generation = None
