@@ -149,21 +149,19 @@ def from_request(
         if value is not None and value != []:
             workflow = _workflow(lambda field: getattr(request, field, None))
             break
-    head_fields = _scalars(exchange, key, task_id)
-    tail_fields = _scalars(priority, routing_key, task_name)
-    if head_fields is not None and tail_fields is not None and not workflow:
-        # A message outside any canvas, of plain fields: written as the encoder would
-        # (sorted keys, no spaces), without its per-call setup (a tenth of a no-op task's
-        # own Python calls).
-        exchange_text, key_text, id_text = head_fields
-        source_text = _SOURCE_TEXTS[source]
-        priority_text, routing_key_text, task_text = tail_fields
-        return (
-            f'{{"args":{payload.args_json},"exchange":{exchange_text},'
-            f'"headers":{{{_HEADER_KEY_TEXT}:{key_text},{_HEADER_SOURCE_TEXT}:{source_text}}},'
-            f'"id":{id_text},"kwargs":{payload.kwargs_json},"priority":{priority_text},'
-            f'"routing_key":{routing_key_text},"task":{task_text}}}'
-        )
+    if not workflow and type(task_id) is str:
+        # A message outside any canvas: written as the encoder would (sorted keys, no spaces),
+        # without its per-call setup (a tenth of a no-op task's own Python calls). The fields
+        # every delivery of a task from one queue shares are written once per process.
+        envelope = _envelope_texts(exchange, priority, routing_key, task_name)
+        if envelope is not None:
+            exchange_text, tail_text = envelope
+            return (
+                f'{{"args":{payload.args_json},"exchange":{exchange_text},'
+                f'"headers":{{{_HEADER_KEY_TEXT}:{json_string(key)},'
+                f"{_HEADER_SOURCE_TEXT}:{_SOURCE_TEXTS[source]}}},"
+                f'"id":{json_string(task_id)},"kwargs":{payload.kwargs_json},{tail_text}}}'
+            )
     before_kwargs = {  # sorted between "args" and "kwargs"
         "exchange": exchange,
         "headers": {HEADER_KEY: key, HEADER_KEY_SOURCE: source.value},
@@ -189,6 +187,41 @@ def from_request(
 _HEADER_KEY_TEXT: Final = json_string(HEADER_KEY)
 _HEADER_SOURCE_TEXT: Final = json_string(HEADER_KEY_SOURCE)
 _SOURCE_TEXTS: Final = {source: json_string(source.value) for source in KeySource}
+
+
+#: Canonical texts of the envelope fields by (exchange, priority, routing key, task name), each
+#: with its type (``True == 1 == 1.0`` as keys, not as JSON): a worker sees a few of these,
+#: each for many deliveries (bounded: emptied when it grows past _ENVELOPES_KEPT). ``None``: a
+#: field that is not a plain scalar.
+_envelopes: dict[tuple[Any, ...], tuple[str, str] | None] = {}
+_ENVELOPES_KEPT: Final = 256
+
+
+def _envelope_texts(
+    exchange: Any, priority: Any, routing_key: Any, task_name: str
+) -> tuple[str, str] | None:
+    """The exchange's text and that of the message's last three fields (priority, routing key,
+    task), as canonical JSON writes them; ``None`` when one is not a string, int or ``None``."""
+    fields = (exchange, type(exchange), priority, type(priority), routing_key, type(routing_key))
+    fields += (task_name,)
+    try:
+        return _envelopes[fields]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable field: not a scalar either
+        return None
+    texts = _scalars(exchange, priority, routing_key, task_name)
+    envelope = None
+    if texts is not None:
+        exchange_text, priority_text, routing_key_text, task_text = texts
+        envelope = (
+            exchange_text,
+            f'"priority":{priority_text},"routing_key":{routing_key_text},"task":{task_text}',
+        )
+    if len(_envelopes) >= _ENVELOPES_KEPT:
+        _envelopes.clear()
+    _envelopes[fields] = envelope
+    return envelope
 
 
 def _scalars(*values: Any) -> list[str] | None:

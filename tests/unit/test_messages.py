@@ -100,3 +100,14 @@ def test_a_workflow_json_cannot_hold_is_left_out_as_before() -> None:
     text = messages.from_request("shop.order", req, payload, "order:1", KeySource.OPTION)
     assert "workflow" not in serialization.loads(text)
     assert text == whole(request(), [1], {})
+
+
+def test_fields_equal_as_python_values_are_written_each_as_its_own_json() -> None:
+    """``True == 1 == 1.0``: the envelope texts a worker keeps per queue and task must not
+    hand one's text to another."""
+    for priority, written in ((1, 1), (True, True), (1.0, 1.0), (1, 1)):
+        req = request(delivery_info={"exchange": "", "routing_key": "q", "priority": priority})
+        payload = encode_payload("shop.order", body, [1], {})
+        text = messages.from_request("shop.order", req, payload, "order:1", KeySource.OPTION)
+        assert text == whole(req, [1], {})
+        assert repr(serialization.loads(text)["priority"]) == repr(written)
