@@ -202,8 +202,15 @@ def _envelope_texts(
 ) -> tuple[str, str] | None:
     """The exchange's text and that of the message's last three fields (priority, routing key,
     task), as canonical JSON writes them; ``None`` when one is not a string, int or ``None``."""
-    fields = (exchange, type(exchange), priority, type(priority), routing_key, type(routing_key))
-    fields += (task_name,)
+    fields: tuple[Any, ...] = (
+        exchange,
+        type(exchange),
+        priority,
+        type(priority),
+        routing_key,
+        type(routing_key),
+        task_name,
+    )
     try:
         return _envelopes[fields]
     except KeyError:
