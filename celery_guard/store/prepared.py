@@ -23,8 +23,9 @@ as it bounds the cursor's, by shutting the socket at the deadline.
 
 from __future__ import annotations
 
+import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -41,6 +42,11 @@ Rows = tuple[list[dict[str, Any]], int]
 _PLACEHOLDER = re.compile(rb"%%|%\((\w+)\)s|%")
 _SESSION_ATTRIBUTE = "_celery_guard_prepared"
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+# Read once: each is two attribute lookups on an enum class, per statement.
+_CONNECTION_OK = pq.ConnStatus.OK
+_IDLE = pq.TransactionStatus.IDLE
+_PIPELINE_OFF = pq.PipelineStatus.OFF
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _UNDEFINED_PREPARED_STATEMENT = b"26000"
 #: indeterminate_datatype, datatype_mismatch, undefined_function (an operator for "unknown").
 _UNTYPABLE = (b"42P18", b"42804", b"42883")
@@ -70,15 +76,28 @@ def convert(sql: str) -> tuple[bytes, tuple[str, ...]]:
 class _Statement:
     """One statement's libpq form, and its prepared names by parameter types."""
 
-    __slots__ = ("columns", "formats", "names", "prepared", "sql")
+    __slots__ = ("arguments", "columns", "formats", "names", "prepared", "sql")
 
     def __init__(self, sql: bytes, names: tuple[str, ...]) -> None:
         self.sql = sql
         self.names = names
+        #: The parameters' values in ``$n`` order from a statement's values by name, in C
+        #: (``KeyError`` for a missing one).
+        self.arguments: Callable[[dict[str, Any]], Sequence[Any]] = (
+            operator.itemgetter(*names) if len(names) > 1 else _one_or_none(names)
+        )
         self.formats = [PyFormat.TEXT] * len(names)
         #: Parameter types -> the name it is prepared under on this connection.
         self.prepared: dict[tuple[int, ...], bytes] = {}
         self.columns: list[str] | None = None
+
+
+def _one_or_none(names: tuple[str, ...]) -> Callable[[dict[str, Any]], Sequence[Any]]:
+    """For a statement of one parameter or none: itemgetter of one name gives a bare value."""
+    if not names:
+        return lambda values: ()
+    name = names[0]
+    return lambda values: (values[name],)
 
 
 class _Session:
@@ -116,11 +135,11 @@ class PreparedStatements:
         if type(connection) is not psycopg.Connection:
             return None
         pgconn = connection.pgconn
-        if pgconn.status != pq.ConnStatus.OK:
+        if pgconn.status != _CONNECTION_OK:
             raise psycopg.OperationalError("the connection is closed")
         if (
-            pgconn.transaction_status != pq.TransactionStatus.IDLE
-            or pgconn.pipeline_status != pq.PipelineStatus.OFF
+            pgconn.transaction_status != _IDLE
+            or pgconn.pipeline_status != _PIPELINE_OFF
             or not connection.autocommit
         ):
             # Autocommitted statements only. psycopg sends DEALLOCATE ALL after a ROLLBACK
@@ -150,7 +169,7 @@ class PreparedStatements:
         if statement is None:
             return None
         try:
-            arguments = [values[name] for name in statement.names]
+            arguments = statement.arguments(values)
         except KeyError:
             return None  # a parameter missing: the cursor says which
         # psycopg's own adaptation, in C: the texts and types its cursor would send.
@@ -213,7 +232,7 @@ class PreparedStatements:
 
     @staticmethod
     def _rows(session: _Session, statement: _Statement, result: Any) -> Rows:
-        if result.status != pq.ExecStatus.TUPLES_OK:
+        if result.status != _TUPLES_OK:
             return [], int(result.command_tuples or 0)
         columns = statement.columns
         if columns is None or len(columns) != result.nfields:
