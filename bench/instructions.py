@@ -167,7 +167,7 @@ def run_tasks(name: str, tasks: int, first_row: int) -> None:
     guarded = isinstance(task, GuardedTask)
     # What GuardedTask.apply_async stamps at the producer, formatted here without its binding
     # of the arguments: that is the producer's work, not the pool process's, and counting it
-    # would charge GuardedTask some 15k instructions a task that no worker pays.
+    # charged GuardedTask some 30k instructions a no-op task that no worker pays.
     option = task.idempotency_key if guarded else None
     if guarded and task._key_from_option((first_row,), {}) != option.format(row_id=first_row):
         raise SystemExit(f"{name}: its idempotency_key is not a format of row_id")
