@@ -152,17 +152,28 @@ def instructions(name: str, tasks: int, first_row: int, env: dict[str, str]) -> 
     return int(found.group(1))
 
 
-def run_tasks(name: str, tasks: int, first_row: int) -> None:
-    """The child: run ``WARM_UP`` and then ``tasks`` tasks as a pool process would."""
+def prepare_process() -> None:
+    """What a pool process has done before its first task: Celery's stack protection (as the
+    worker's ``setup_worker_optimizations`` installs it) and ``worker_process_init`` (the
+    per-process parts celery_guard starts there)."""
     from celery import signals
     from celery.app.trace import _install_stack_protection
 
+    _install_stack_protection()
+    signals.worker_process_init.send(sender=None)
+
+
+def run_tasks(
+    name: str, tasks: int, first_row: int, *, prepared: bool = False, warm_up: int = WARM_UP
+) -> None:
+    """The child: run ``warm_up`` and then ``tasks`` tasks as a pool process would (after
+    :func:`prepare_process`, which runs first unless ``prepared``)."""
     import bench.overhead_app as bench
     from celery_guard import GuardedTask
     from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE, KeySource
 
-    _install_stack_protection()
-    signals.worker_process_init.send(sender=None)
+    if not prepared:
+        prepare_process()
     task = bench.app.tasks[name]
     guarded = isinstance(task, GuardedTask)
     # What GuardedTask.apply_async stamps at the producer, formatted here without its binding
@@ -172,7 +183,7 @@ def run_tasks(name: str, tasks: int, first_row: int) -> None:
     if guarded and task._key_from_option((first_row,), {}) != option.format(row_id=first_row):
         raise SystemExit(f"{name}: its idempotency_key is not a format of row_id")
     source = KeySource.OPTION.value
-    for row_id in range(first_row - WARM_UP, first_row + tasks):
+    for row_id in range(first_row - warm_up, first_row + tasks):
         headers = None
         if guarded:
             headers = {HEADER_KEY: option.format(row_id=row_id), HEADER_KEY_SOURCE: source}

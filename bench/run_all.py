@@ -51,8 +51,8 @@ SMOKE_ARGS = {
 #: A benchmark that runs longer than this is stopped (by PID) and reported as failed.
 TIMEOUT = 3 * 3600
 #: Not run here: ``soak`` is run by hand (it loads the machine for about 15 minutes) and
-#: ``profile_worker`` and ``instructions`` (valgrind, about 15 minutes) are profilers to run by
-#: hand; ``canvas``, ``pgbouncer_claims`` and
+#: ``profile_worker``, ``instructions`` (valgrind, about 15 minutes) and ``bytecodes`` are
+#: profilers to run by hand; ``canvas``, ``pgbouncer_claims`` and
 #: ``pgbouncer_recovery`` print their tables for a note or docs/pgbouncer.md, by hand, and
 #: write no section; ``cpu``, ``floor`` and ``pool_probe`` are helper modules of the
 #: benchmarks, not ones.
@@ -62,6 +62,7 @@ NOT_BENCHMARKS = {
     "soak",
     "profile_worker",
     "instructions",
+    "bytecodes",
     "canvas",
     "pgbouncer_claims",
     "pgbouncer_recovery",

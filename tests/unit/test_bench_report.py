@@ -7,7 +7,7 @@ import importlib
 import marshal
 from pathlib import Path
 
-from bench import instructions, overhead, peers, pool_cost, run_all
+from bench import bytecodes, instructions, overhead, peers, pool_cost, run_all
 
 
 def test_run_all_finds_every_benchmark_in_bench_and_skips_app_modules() -> None:
@@ -158,3 +158,30 @@ def test_instructions_table_gives_ratios_to_plain_and_floor_and_the_excess() -> 
     assert "| noop | floor | 1000.0 | 1.25 | 1.00 |  |" in text
     assert "100 tasks between" in text
     assert "instructions" not in run_all.benchmarks()  # by hand: valgrind, not make bench
+
+
+def _loop(times: int) -> int:
+    total = 0
+    for step in range(times):
+        total += step
+    return total
+
+
+def test_bytecodes_are_counted_per_function_and_grow_with_the_work() -> None:
+    with bytecodes.counting() as short:
+        _loop(5)
+    with bytecodes.counting() as long:
+        _loop(50)
+    short_counts = bytecodes.per_task(short, tasks=1)
+    long_counts = bytecodes.per_task(long, tasks=10)
+    place = next(name for name in short_counts if name.endswith(" _loop"))
+    assert place.startswith("tests/unit/test_bench_report.py:")
+    # Deterministic: the same loop gives the same count every time, 45 more steps more.
+    assert long_counts[place] * 10 > short_counts[place] * 5
+    with bytecodes.counting() as again:
+        _loop(5)
+    assert bytecodes.per_task(again, tasks=1)[place] == short_counts[place]
+    text = "\n".join(bytecodes.render("loop", long, tasks=10, top=3))
+    assert text.startswith("== loop: ")
+    assert "tests " in text  # this repository's package, by top-level directory
+    assert "bytecodes" not in run_all.benchmarks()  # printed by hand, not make bench
