@@ -154,8 +154,8 @@ class Heartbeat:
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._thread_generation: int | None = None  # forks.current where it runs
+        #: forks.current of the process whose renewal thread runs (None: none runs)
+        self._thread_generation: int | None = None
 
     def hold(self, lease: Lease) -> None:
         """Start renewing ``lease`` (starts this process's thread on first use)."""
@@ -222,7 +222,6 @@ class Heartbeat:
             target=self._run, args=(generation,), name="celery_guard-heartbeat", daemon=True
         )
         thread.start()
-        self._thread = thread
         self._thread_generation = generation
 
     def stop(self) -> None:

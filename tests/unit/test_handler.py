@@ -84,18 +84,23 @@ _TERMS = frozenset(field.name for field in dataclasses.fields(TaskTerms))
 
 
 def delivery(key: str = "k", fingerprint: str | None = "fp", **options: Any) -> Delivery:
-    terms = {name: options.pop(name) for name in list(options) if name in _TERMS}
+    """A delivery of ``tests.unit.task``; ``options`` may name the task's terms (``classify``,
+    ``max_attempts``...) or the message's fields (``deferrals``...)."""
+    terms = TaskTerms(
+        task_name="tests.unit.task",
+        retention=3600.0,
+        **{name: options.pop(name) for name in list(options) if name in _TERMS},
+    )
     return Delivery(
-        terms=TaskTerms(
-            task_name="tests.unit.task", retention=3600.0, **{"max_attempts": 5, **terms}
-        ),
+        terms=terms,
         key=key,
         key_source=KeySource.OPTION,
         fingerprint=fingerprint,
         message='{"id": "task-1"}',
         owner="host/1",
         task_id="task-1",
-        **{"max_attempts": terms.get("max_attempts", 5), **options},
+        max_attempts=terms.max_attempts,  # no retries asked of Celery
+        **options,
     )
 
 
