@@ -28,6 +28,7 @@ class WorkerState(str, enum.Enum):
 #: The two states every delivery moves between (a tuple: membership by identity first, where
 #: a set would call the str-enum's Python ``__hash__`` twice per transition).
 _ROUTINE = (WorkerState.READY, WorkerState.PROCESSING)
+_READY, _PROCESSING = _ROUTINE
 
 
 class StateTracker:
@@ -40,6 +41,9 @@ class StateTracker:
         self._fenced: set[tuple[str, int]] = set()
         self._lifecycle: WorkerState | None = None  # DRAINING or STOPPED, when set
         self._fenced_told = 0
+        #: No lifecycle state and nothing fenced (nor told fenced): a delivery's start and end
+        #: can then only move between READY and PROCESSING (kept by _settle).
+        self._plain = True
 
     def counts(self) -> tuple[int, int]:
         """Executions running and fenced in this process."""
@@ -52,8 +56,17 @@ class StateTracker:
         return self._lifecycle
 
     def execution_started(self, key: str, token: int) -> None:
+        changed = signals.executions_changed
         with self._lock:
             self._running += 1
+            if self._plain and not (changed.recorders or changed.receivers):
+                # _settle's decision for the common case, inline: it ran twice per delivery.
+                old = self.state
+                if old is not _PROCESSING:
+                    self.state = _PROCESSING
+                    if logger.isEnabledFor(logging.DEBUG):
+                        _log_routine(old, _PROCESSING, key, token)
+                return
             self._settle(key, token)
 
     def execution_fenced(self, key: str, token: int) -> None:
@@ -62,8 +75,17 @@ class StateTracker:
             self._settle(key, token)
 
     def execution_ended(self, key: str, token: int, fenced: bool) -> None:
+        changed = signals.executions_changed
         with self._lock:
             self._running = max(0, self._running - 1)
+            if self._plain and not (changed.recorders or changed.receivers):
+                old = self.state
+                new = _PROCESSING if self._running else _READY
+                if old is not new:
+                    self.state = new
+                    if logger.isEnabledFor(logging.DEBUG):
+                        _log_routine(old, new, key, token)
+                return
             # Whatever the heartbeat thread decided meanwhile, this execution is over.
             self._fenced.discard((key, token))
             self._settle(key, token)
@@ -92,6 +114,7 @@ class StateTracker:
             # delivery above: what the worker's main process reads from its children.
             self._fenced_told = fenced
             signals.executions_fenced.send(None, fenced=fenced)
+        self._plain = self._lifecycle is None and not fenced
         old = self.state
         new = combine_state(self._lifecycle, self._running, fenced)
         if new is old:
@@ -106,6 +129,13 @@ class StateTracker:
             logger.log(
                 level, "celery_guard worker state %s -> %s %s", old.value, new.value, details
             )
+
+
+def _log_routine(old: WorkerState, new: WorkerState, key: str, token: int) -> None:
+    # As _settle logs it: READY <-> PROCESSING at DEBUG.
+    logger.debug(
+        "celery_guard worker state %s -> %s key=%s token=%s", old.value, new.value, key, token
+    )
 
 
 def combine_state(lifecycle: WorkerState | None, running: int, fenced: int) -> WorkerState:

@@ -201,3 +201,27 @@ def test_per_task_state_changes_log_at_debug_the_rare_ones_at_info(
         ("INFO", "celery_guard worker state FENCED -> READY key=k token=2"),
         ("INFO", "celery_guard worker state READY -> DRAINING reason=warm shutdown"),
     ]
+
+
+def test_a_lifecycle_state_or_a_fenced_execution_outranks_the_routine_changes() -> None:
+    """The per-delivery READY <-> PROCESSING shortcut holds only while nothing else decides:
+    after a fenced execution ends the routine changes resume; a lifecycle state stays."""
+    states = StateTracker()
+    states.execution_started("k", 1)
+    states.execution_started("other", 1)  # two at once (a threaded pool)
+    states.execution_fenced("k", 1)
+    assert states.state is WorkerState.FENCED
+    states.execution_ended("other", 1, fenced=False)
+    assert states.state is WorkerState.FENCED  # k is still fenced
+    states.execution_ended("k", 1, fenced=True)
+    assert states.state is WorkerState.READY
+    states.execution_started("k", 2)
+    assert (states.state, states.counts()) == (WorkerState.PROCESSING, (1, 0))
+    states.set_lifecycle(WorkerState.DRAINING, "warm shutdown")
+    states.execution_ended("k", 2, fenced=False)
+    states.execution_started("k", 3)
+    assert (states.state, states.counts()) == (WorkerState.DRAINING, (1, 0))
+    states.set_lifecycle_ready()
+    assert states.state is WorkerState.PROCESSING
+    states.execution_ended("k", 3, fenced=False)
+    assert states.state is WorkerState.READY
