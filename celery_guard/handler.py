@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from celery_guard import serialization, signals
 from celery_guard.errors import (
@@ -68,9 +68,9 @@ class TaskTerms:
     decode_result: Callable[[str], Any] = serialization.loads
 
 
-@dataclass(frozen=True, kw_only=True)
-class Delivery:
-    """One delivery of a task message, as the handler needs it."""
+class Delivery(NamedTuple):
+    """One delivery of a task message, as the handler needs it (a named tuple, as
+    :class:`~celery_guard.store.base.ClaimRequest` is: one is built per delivery)."""
 
     terms: TaskTerms
     key: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sqlalchemy import Connection, RootTransaction
 
@@ -32,9 +32,12 @@ class ClaimOutcome(str, enum.Enum):
     DEAD = "dead"
 
 
-@dataclass(frozen=True, kw_only=True)
-class ClaimRequest:
-    """Everything one claim needs; built by the handler, executed by the store."""
+class ClaimRequest(NamedTuple):
+    """Everything one claim needs; built by the handler, executed by the store.
+
+    A named tuple rather than a frozen dataclass: one is built per delivery, and a frozen
+    dataclass sets each field through ``object.__setattr__`` (docs/performance.md).
+    """
 
     key: str
     task_name: str
