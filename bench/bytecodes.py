@@ -8,8 +8,8 @@ bench/instructions.py says how many machine instructions a task costs, to 0.1% f
 it cannot say which Python function they go to (perf and callgrind see the interpreter's C
 functions on Python 3.11, not the Python code they run). This counts, with ``sys.settrace``
 and ``f_trace_opcodes``, every bytecode the main thread executes per task, by code object:
-the same tasks, run as bench/instructions.py runs them (``worker_process_init`` fired,
-Celery's stack protection installed, the key in the headers, Celery's tracer), against a
+the same tasks, run as bench/instructions.py runs them (in a pool process forked after
+``worker_init``, the key in the headers, Celery's tracer), against a
 private PostgreSQL and Redis from tests/rig. Deterministic and about ten times faster than a
 callgrind run, it ranks the candidates for a cut; bench/instructions.py then measures the cut.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -151,17 +152,26 @@ def main() -> None:
         engine = sqlalchemy.create_engine(postgres.url, poolclass=sqlalchemy.NullPool)
         bench.metadata.create_all(engine)
         get_runtime(bench.app).migrate()
-        instructions.prepare_process()
+        instructions.start_worker()
         first_row = 10_000_000
         for kind in kinds:
             for variant in variants:
                 name = f"bench.{variant}_{kind}"
-                instructions.run_tasks(name, WARM_UP, first_row, prepared=True, warm_up=0)
-                first_row += 100_000
-                with counting() as counts:
-                    instructions.run_tasks(name, args.tasks, first_row, prepared=True, warm_up=0)
-                first_row += 100_000
-                print("\n".join(render(name, counts, args.tasks, args.top)), flush=True)
+                text = instructions.in_pool_process(
+                    functools.partial(measure, name, first_row, args.tasks, args.top)
+                )
+                first_row += 200_000
+                print(text, flush=True)
+
+
+def measure(name: str, first_row: int, tasks: int, top: int) -> str:
+    """In a pool process: the warm-up, then ``tasks`` tasks counted; the report's text."""
+    from bench import instructions
+
+    instructions.run_tasks(name, WARM_UP, first_row, warm_up=0)
+    with counting() as counts:
+        instructions.run_tasks(name, tasks, first_row + 100_000, warm_up=0)
+    return "\n".join(render(name, counts, tasks, top))
 
 
 if __name__ == "__main__":

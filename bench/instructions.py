@@ -11,13 +11,15 @@ instructions a process executes per task, under valgrind's callgrind, with strin
 fixed (``PYTHONHASHSEED=0``), so a change of a few thousand instructions shows and the same
 tree gives the same figure run after run.
 
-Each task runs in-process as a pool process runs it: ``worker_process_init`` fired first (the
-per-process parts celery_guard starts there), Celery's stack protection installed (as the
-worker's ``setup_worker_optimizations`` does), and the key in the message's headers, as
+Each task runs in a pool process made as a prefork worker makes one: ``worker_init`` sent in
+its parent (celery_guard's metrics recorders, connection budget, renewal relay and liveness
+lock), then a fork, Celery's stack protection (as the worker's ``setup_worker_optimizations``
+installs it) and ``worker_process_init`` in the child; the key in the message's headers, as
 ``apply_async`` stamps it; ``task.apply()`` then traces it (Celery's ``build_tracer``)
-against a private PostgreSQL and Redis. Two runs per task and variant, of ``--low`` and
-``--high`` tasks after the same warm-up, and the difference divided by the tasks between: the
-interpreter's start-up, the imports and the first connections cancel out.
+against a private PostgreSQL and Redis. Only the pool process's instructions count. Two runs
+per task and variant, of ``--low`` and ``--high`` tasks after the same warm-up, and the
+difference divided by the tasks between: the interpreter's start-up, the imports and the
+first connections cancel out.
 
 What it does not count: the worker's main process (Redis and the message's decoding, the same
 for every variant), the kernel, PostgreSQL and Redis, and time spent waiting. Instructions
@@ -29,13 +31,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # so that ``tests.rig`` and ``bench`` import when run as a script
@@ -47,6 +53,8 @@ VARIANTS = ("plain", "floor", "guarded")
 WARM_UP = 30
 #: Seconds one run under valgrind may take (about fifty times slower than without).
 RUN_TIMEOUT = 900.0
+
+T = TypeVar("T")
 
 
 def main() -> None:
@@ -68,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         name, tasks, first_row = args.child
-        run_tasks(name, int(tasks), int(first_row))
+        start_worker()
+        in_pool_process(lambda: run_tasks(name, int(tasks), int(first_row)))
         return
     kinds = tuple(kind for kind in args.kinds.split(",") if kind)
     variants = tuple(variant for variant in args.variants.split(",") if variant)
@@ -144,36 +153,88 @@ def instructions(name: str, tasks: int, first_row: int, env: dict[str, str]) -> 
     done = subprocess.run(
         argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False
     )
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode != 0 or found is None:
+    # The pool process's count, not its parent's (each process valgrind follows reports one).
+    pool = re.search(r"^pool process (\d+)$", done.stdout, re.MULTILINE)
+    found = pool and re.search(rf"^=={pool.group(1)}== Collected : (\d+)", done.stderr, re.M)
+    if done.returncode != 0 or not found:
         raise SystemExit(
             f"{name} under valgrind failed ({done.returncode}):\n{done.stderr[-3000:]}"
         )
     return int(found.group(1))
 
 
-def prepare_process() -> None:
-    """What a pool process has done before its first task: Celery's stack protection (as the
-    worker's ``setup_worker_optimizations`` installs it) and ``worker_process_init`` (the
-    per-process parts celery_guard starts there)."""
+class _PreforkWorker:
+    """What ``worker_init``'s receivers read of Celery's ``WorkController``: a prefork worker
+    of ``app`` (its pool class decides celery_guard's connection budget and renewal relay)."""
+
+    def __init__(self, app: Any) -> None:
+        from celery.concurrency.prefork import TaskPool
+
+        self.app = app
+        self.hostname = "bench@instructions"
+        self.pool_cls = TaskPool
+
+
+def start_worker() -> None:
+    """What a prefork worker's main process does before its pool forks: ``worker_init``
+    (celery_guard's metrics recorders, the connection budget and the renewal relay, the
+    worker's liveness lock, the circuit's shared block). Once per process, before
+    :func:`in_pool_process`."""
     from celery import signals
-    from celery.app.trace import _install_stack_protection
 
-    _install_stack_protection()
-    signals.worker_process_init.send(sender=None)
+    import bench.overhead_app as bench
+
+    signals.worker_init.send(sender=_PreforkWorker(bench.app))
 
 
-def run_tasks(
-    name: str, tasks: int, first_row: int, *, prepared: bool = False, warm_up: int = WARM_UP
-) -> None:
-    """The child: run ``warm_up`` and then ``tasks`` tasks as a pool process would (after
-    :func:`prepare_process`, which runs first unless ``prepared``)."""
+def in_pool_process(work: Callable[[], T]) -> T:
+    """Run ``work`` in a process forked as a prefork pool process is, after
+    :func:`start_worker`: Celery's stack protection (the worker's
+    ``setup_worker_optimizations``) and ``worker_process_init`` first. Returns what ``work``
+    returned (pickled back through a pipe); raises ``SystemExit`` if the process failed.
+
+    A task run in the benchmark's own process instead missed what a worker sets up for its
+    pool: the metrics recorders (on by default), the lent connection of a body's transaction,
+    the worker's liveness lock read from shared memory.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the pool process
+        os.close(read_end)
+        code = 1
+        try:
+            from celery import signals
+            from celery.app.trace import _install_stack_protection
+
+            print(f"pool process {os.getpid()}", flush=True)
+            _install_stack_protection()
+            signals.worker_process_init.send(sender=None)
+            answer = pickle.dumps(work())
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(answer)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # nothing of the parent's (servers, atexit) is the child's to end
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"the pool process {pid} failed (status {status})")
+    return cast(T, pickle.loads(answer))
+
+
+def run_tasks(name: str, tasks: int, first_row: int, *, warm_up: int = WARM_UP) -> None:
+    """Run ``warm_up`` and then ``tasks`` tasks as a pool process runs them (in
+    :func:`in_pool_process`)."""
     import bench.overhead_app as bench
     from celery_guard import GuardedTask
     from celery_guard.keys import HEADER_KEY, HEADER_KEY_SOURCE, KeySource
 
-    if not prepared:
-        prepare_process()
     task = bench.app.tasks[name]
     guarded = isinstance(task, GuardedTask)
     # What GuardedTask.apply_async stamps at the producer, formatted here without its binding

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import marshal
+import os
 from pathlib import Path
+
+import pytest
 
 from bench import bytecodes, instructions, overhead, peers, pool_cost, run_all
 
@@ -185,3 +188,25 @@ def test_bytecodes_are_counted_per_function_and_grow_with_the_work() -> None:
     assert text.startswith("== loop: ")
     assert "tests " in text  # this repository's package, by top-level directory
     assert "bytecodes" not in run_all.benchmarks()  # printed by hand, not make bench
+
+
+def test_in_pool_process_runs_the_work_in_a_forked_pool_process_and_returns_its_answer() -> None:
+    """bench/instructions.py and bench/bytecodes.py count a pool process's work: forked, with
+    ``worker_process_init`` sent in it (not in the benchmark's own process), the answer back."""
+    from celery import signals
+
+    initialised: list[int] = []
+
+    def on_init(**_: object) -> None:
+        initialised.append(os.getpid())
+
+    signals.worker_process_init.connect(on_init, weak=False)
+    try:
+        pid, seen = instructions.in_pool_process(lambda: (os.getpid(), list(initialised)))
+        with pytest.raises(SystemExit, match="failed"):
+            instructions.in_pool_process(lambda: 1 // 0)
+    finally:
+        signals.worker_process_init.disconnect(on_init)
+    assert pid != os.getpid()
+    assert seen == [pid]
+    assert initialised == []  # sent in the child only
