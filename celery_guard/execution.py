@@ -258,6 +258,9 @@ class Execution:
         except BaseException:
             self.abort()
             raise
+        if connection is None and joined is None:  # nothing opened (a no-op body's case)
+            self._ending = True
+            return
         try:
             self.abort()  # the commit landed: nothing is left to roll back, only to close
         except Exception as exc:

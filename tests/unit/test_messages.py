@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+from celery.app.task import Context
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -111,3 +113,24 @@ def test_fields_equal_as_python_values_are_written_each_as_its_own_json() -> Non
         text = messages.from_request("shop.order", req, payload, "order:1", KeySource.OPTION)
         assert text == whole(req, [1], {})
         assert repr(serialization.loads(text)["priority"]) == repr(written)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"callbacks": [], "errbacks": None},  # an empty list is no workflow either
+        {"chain": [{"task": "next", "args": [1]}], "root_id": "r", "parent_id": "p"},
+        {"group": "g-1", "group_index": 0, "root_id": "r"},
+    ],
+)
+def test_a_celery_request_s_workflow_is_read_as_from_any_request(fields: dict[str, object]) -> None:
+    """A worker's request is Celery's Context, whose workflow fields default to None on the
+    class (read all at once); any other request object is read field by field."""
+    base = {"id": "task-1", "delivery_info": {"exchange": "", "routing_key": "orders"}}
+    context = Context({**base, **fields})
+    payload = encode_payload("shop.order", body, [1], {})
+    text = messages.from_request("shop.order", context, payload, "order:1", KeySource.OPTION)
+    assert text == whole(request(**{**base, **fields}), [1], {})
+    workflow = fields.get("chain") or fields.get("group")
+    assert ("workflow" in serialization.loads(text)) is bool(workflow)
