@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -57,7 +58,21 @@ from tests.rig.servers import PostgresServer  # noqa: E402
 WAYS = ("floor", "new", "new_upsert", "retry", "retry_upsert")
 HEADING = "## Claim cost on the server (bench/claim_cost.py)"
 #: Columns, in µs per task: what each run measures.
-COLUMNS = ("server: claim", "server: completion", "client CPU", "wall")
+COLUMNS = (
+    "server: claim",
+    "server: completion",
+    "client CPU",
+    "wall",
+    "WAL bytes: claim",
+    "WAL bytes: completion",
+)
+#: As GuardedTask stores a no-op task's message with its claim (messages.from_request): the
+#: row, and so the claim's and the completion's WAL, are as large as a worker's.
+MESSAGE = (
+    '{"args":[10099970],"exchange":null,"headers":{"guard_idempotency_key":"noop:10099970",'
+    '"guard_key_source":"option"},"id":"398bf0ce-3499-417b-8f16-b27ed1a74fa7","kwargs":{},'
+    '"priority":null,"routing_key":null,"task":"bench.guarded_noop"}'
+)
 
 
 def server_seconds(postgres: PostgresServer) -> float:
@@ -72,7 +87,7 @@ def request(key: str) -> ClaimRequest:
         fingerprint="f" * 40,
         check_fingerprint=True,
         owner="bench@host/1",
-        message='{"task": "bench.noop", "id": "x", "args": [1], "kwargs": {}}',
+        message=MESSAGE,
         lease_ttl=30.0,
     )
 
@@ -134,8 +149,17 @@ def floor_way(dsn: str) -> Way:
     return Way(lambda names: None, claim, complete)
 
 
-def run(way: Way, postgres: PostgresServer, tasks: int, upsert: bool) -> dict[str, float]:
-    """µs per task of each column for one run of ``tasks`` fresh keys."""
+def wal_position(admin: psycopg.Connection[Any]) -> int:
+    """The server's WAL insert position, in bytes."""
+    row = admin.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def run(
+    way: Way, postgres: PostgresServer, admin: psycopg.Connection[Any], tasks: int, upsert: bool
+) -> dict[str, float]:
+    """µs (and WAL bytes) per task of each column for one run of ``tasks`` fresh keys."""
     prefix = uuid.uuid4().hex[:8]
     warm = [f"warm-{prefix}-{n}" for n in range(20)]
     names = [f"{prefix}-{n}" for n in range(tasks)]
@@ -144,18 +168,25 @@ def run(way: Way, postgres: PostgresServer, tasks: int, upsert: bool) -> dict[st
         way.prepare(warm + names)
         for key in warm:  # connections opened, statements prepared
             way.complete(key, way.claim(key))
+        # Each position read is one small statement of its own, outside the timed CPU.
+        wal0 = wal_position(admin)
         server0, client0, wall0 = server_seconds(postgres), time.process_time(), time.perf_counter()
         tokens = [way.claim(key) for key in names]
         server1 = server_seconds(postgres)
+        wal1 = wal_position(admin)
+        server1b = server_seconds(postgres)
         for key, token in zip(names, tokens, strict=True):
             way.complete(key, token)
         server2, client1, wall1 = server_seconds(postgres), time.process_time(), time.perf_counter()
+        wal2 = wal_position(admin)
     per_task = 1e6 / tasks
     return {
         "server: claim": (server1 - server0) * per_task,
-        "server: completion": (server2 - server1) * per_task,
+        "server: completion": (server2 - server1b) * per_task,
         "client CPU": (client1 - client0) * per_task,
         "wall": (wall1 - wall0) * per_task,
+        "WAL bytes: claim": (wal1 - wal0) / tasks,
+        "WAL bytes: completion": (wal2 - wal1) / tasks,
     }
 
 
@@ -177,12 +208,12 @@ def main() -> None:
     with PostgresServer(durable=args.settings == "durable") as postgres:
         store = SqlStore(GuardConfig(store_url=postgres.url))
         store.ensure_schema()
-        with psycopg.connect(postgres.dsn_for(), autocommit=True) as admin:
-            admin.execute(
-                f"CREATE TABLE {floor.FLOOR_KEYS} (key varchar(200) PRIMARY KEY, "
-                "state varchar(16) NOT NULL, token integer NOT NULL, "
-                "lease_expires_at double precision)"
-            )
+        admin = psycopg.connect(postgres.dsn_for(), autocommit=True)
+        admin.execute(
+            f"CREATE TABLE {floor.FLOOR_KEYS} (key varchar(200) PRIMARY KEY, "
+            "state varchar(16) NOT NULL, token integer NOT NULL, "
+            "lease_expires_at double precision)"
+        )
         ways = {
             "floor": floor_way(postgres.dsn_for()),
             "new": guard_way(store, retry=False),
@@ -193,16 +224,17 @@ def main() -> None:
         try:
             for _ in range(args.repeats):  # interleaved, so drift hits every way alike
                 for name in WAYS:
-                    result = run(ways[name], postgres, args.tasks, upsert=name.endswith("_upsert"))
+                    result = run(
+                        ways[name], postgres, admin, args.tasks, upsert=name.endswith("_upsert")
+                    )
                     measured[name].append(result)
                     print(
-                        f"{name:12s} "
-                        + "  ".join(f"{c} {result[c]:6.0f}" for c in COLUMNS)
-                        + " µs/task",
+                        f"{name:12s} " + "  ".join(f"{c} {result[c]:6.0f}" for c in COLUMNS),
                         flush=True,
                     )
         finally:
             store.dispose()
+            admin.close()
     section = render(args, command, measured, load, time.monotonic() - started)
     publish_section(args.output, section, HEADING)
 
@@ -222,10 +254,12 @@ def render(
         f"({wall:.0f} s; load average {load[0]:.2f} at start on {os.cpu_count()} CPUs).",
         "",
         f"PostgreSQL with {setting}. {args.tasks} keys per run, claimed one after another, then "
-        "completed; median of "
-        f"{args.repeats} interleaved runs, in µs per task. *server*: CPU of every PostgreSQL "
-        "process (`/proc`) during the claims and during the completions; *client CPU*: this "
-        "process (psycopg and celery_guard's store layer, no Celery); *wall*: both phases. "
+        f"completed; median of {args.repeats} interleaved runs, per task (µs but for the WAL). "
+        "*server*: CPU of every PostgreSQL process (`/proc`) during the claims and during the "
+        "completions; *client CPU*: this process (psycopg and celery_guard's store layer, "
+        "no Celery); *wall*: both phases; "
+        "*WAL bytes*: the server's WAL written per claim and per completion "
+        "(`pg_current_wal_lsn()`), the stored message as long as a worker's no-op task's. "
         "Ways: *floor*: bench/floor.py's two statements; *new*: celery_guard's `Keys.claim` and "
         "`Keys.complete` on keys without a row (the insert-only `claim_new`); *new_upsert*: "
         "the same through the full upsert alone (every claim before `claim_new`); *retry*: "

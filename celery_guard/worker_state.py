@@ -41,8 +41,8 @@ class StateTracker:
         self._fenced: set[tuple[str, int]] = set()
         self._lifecycle: WorkerState | None = None  # DRAINING or STOPPED, when set
         self._fenced_told = 0
-        #: No lifecycle state and nothing fenced (nor told fenced): a delivery's start and end
-        #: can then only move between READY and PROCESSING (kept by _settle).
+        #: No lifecycle state and nothing fenced: a delivery's start and end can then only
+        #: move between READY and PROCESSING (kept by _settle, which every other change runs).
         self._plain = True
 
     def counts(self) -> tuple[int, int]:
