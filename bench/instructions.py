@@ -280,10 +280,10 @@ def render(
         "makes one (`worker_init` sent in its parent, then a fork, Celery's stack protection "
         "and `worker_process_init`), the key in the headers as `apply_async` stamps it, "
         "Celery's tracer; only the pool process counts: not the worker's main process, the "
-        "kernel, the servers or any wait. Deterministic: the same tree gives "
-        "the same figure to about 0.2% for plain Celery and the floor, and, in runs of the "
-        "same lengths, to 0.1% for GuardedTask's no-op and about 1.2% for its credit task "
-        "(about 2% between runs of different lengths): judge a small cut on the no-op.",
+        "kernel, the servers or any wait. Deterministic: in runs of the same lengths the "
+        "same tree gives the same figure to about 0.1% for GuardedTask (no-op 1159.8 and "
+        "1160.6, credit 2591.2 and 2594.0 thousand) and 0.4% for the floor (972.5 and "
+        "976.2); compare runs of the same lengths.",
         "",
         "| Task | Variant | k instructions/task | To plain | To floor | Above floor (k) |",
         "|---|---|---:|---:|---:|---:|",
